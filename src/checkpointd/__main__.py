@@ -1,0 +1,7 @@
+"""``python -m checkpointd``: the same as the ``checkpointd`` command."""
+
+import sys
+
+from checkpointd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,280 @@
+"""Capture: turn the caller's live state into an immutable snapshot in staging memory.
+
+Runs on the caller's thread, inside ``save()``. It walks each component's
+state tree, validates every value, and copies every tensor into one staging
+arena that is reused from save to save (pinned for CUDA sources, copies issued
+non-blocking and synchronized once). Nothing the caller owns is referenced by
+the snapshot afterwards, so the caller may change its tensors as soon as
+``capture`` returns.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkpointd.errors import UnsupportedValueError
+from checkpointd.format import (
+    BigInt,
+    DTypeNode,
+    NumpyScalarNode,
+    StateDictNode,
+    TensorEntry,
+    TensorRef,
+    TupleNode,
+    check_storable,
+)
+from checkpointd.stateful import component_state
+
+__all__ = ["CapturedComponent", "StagingBuffer", "capture", "check_component_name"]
+
+_COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}\Z")
+_MSGPACK_INT_MIN = -(2**63)
+_MSGPACK_INT_MAX = 2**64 - 1
+_REGION_ALIGN = 64
+
+
+def check_component_name(name: object) -> str:
+    """Return ``name`` if it can name a component's files, else raise UnsupportedValueError."""
+    if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
+        raise UnsupportedValueError(
+            f"component name {name!r} must be 1-128 characters of letters, digits, '_' or '-', "
+            "not starting with '-'"
+        )
+    return name
+
+
+class StagingBuffer:
+    """A host byte arena reused across saves; pinned when it holds CUDA sources.
+
+    Owned by one save at a time: capture fills it on the caller thread, the
+    writer reads it in the background, then it goes back to the pool.
+    """
+
+    def __init__(self) -> None:
+        self._arena: torch.Tensor | None = None
+        self.allocations = 0
+
+    def reserve(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        """Return a uint8 tensor of at least ``nbytes``, reusing the arena when it fits."""
+        arena = self._arena
+        if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
+            self._arena = None  # drop the old arena before allocating the new one
+            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            self._arena = arena
+            self.allocations += 1
+        return arena
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``offset .. offset + nbytes`` of the arena, without copying."""
+        assert self._arena is not None
+        return self._arena.numpy().data.cast("B")[offset : offset + nbytes]
+
+    @property
+    def capacity(self) -> int:
+        """Bytes currently allocated."""
+        return 0 if self._arena is None else self._arena.numel()
+
+
+@dataclass(slots=True)
+class CapturedComponent:
+    """One component of a snapshot.
+
+    ``tree`` is made of fresh containers, primitives and format nodes (no
+    reference to the caller's objects); ``entries`` place each tensor in the
+    component's data region, which starts at ``offset`` in the staging arena.
+    """
+
+    name: str
+    tree: Any
+    entries: list[TensorEntry] = field(default_factory=list)
+    offset: int = 0
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class _Source:
+    name: str
+    tensor: torch.Tensor
+    nbytes: int
+
+
+class _Walker:
+    """Builds the storable tree of one component and collects its tensors once each."""
+
+    def __init__(self, component: str) -> None:
+        self.component = component
+        self.sources: list[_Source] = []
+        self._names: set[str] = set()
+        self._aliases: dict[tuple[Any, ...], str] = {}
+        self._active: set[int] = set()
+
+    def walk(self, value: Any, path: tuple[str, ...]) -> Any:
+        if value is None or isinstance(value, (bool, float, str, bytes)):
+            return value
+        if isinstance(value, int):
+            if _MSGPACK_INT_MIN <= value <= _MSGPACK_INT_MAX:
+                return int(value)
+            return BigInt(int(value))
+        if isinstance(value, torch.Tensor):
+            return TensorRef(self._add_tensor(value, path))
+        if isinstance(value, np.ndarray):
+            return TensorRef(
+                self._add_tensor(_numpy_to_tensor(value, self._where(path)), path), True
+            )
+        if isinstance(value, np.generic):
+            return self._numpy_scalar(value, path)
+        if isinstance(value, torch.dtype):
+            return DTypeNode(str(value).removeprefix("torch."))
+        if isinstance(value, (Mapping, list, tuple)):
+            return self._container(value, path)
+        raise UnsupportedValueError(
+            f"{self._where(path)}: values of type {type(value).__qualname__} cannot be stored; "
+            "use tensors, arrays, JSON-like primitives, or an object with state_dict()"
+        )
+
+    def _container(
+        self, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], path: tuple[str, ...]
+    ) -> Any:
+        if id(value) in self._active:
+            raise UnsupportedValueError(f"{self._where(path)}: the state contains a cycle")
+        self._active.add(id(value))
+        try:
+            if isinstance(value, Mapping):
+                items = {
+                    self._key(k, path): self.walk(v, (*path, str(k))) for k, v in value.items()
+                }
+                metadata = getattr(value, "_metadata", None)
+                if isinstance(metadata, Mapping):
+                    return StateDictNode(items, self.walk(dict(metadata), (*path, "_metadata")))
+                return items
+            items_list = [self.walk(v, (*path, str(i))) for i, v in enumerate(value)]
+            return TupleNode(items_list) if isinstance(value, tuple) else items_list
+        finally:
+            self._active.discard(id(value))
+
+    def _key(self, key: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(key, str):
+            return key
+        if isinstance(key, int) and _MSGPACK_INT_MIN <= key <= _MSGPACK_INT_MAX:
+            return int(key)
+        raise UnsupportedValueError(
+            f"{self._where(path)}: dict key {key!r} of type {type(key).__qualname__} cannot be "
+            "stored; keys must be str or int"
+        )
+
+    def _numpy_scalar(self, value: np.generic, path: tuple[str, ...]) -> NumpyScalarNode:
+        if value.dtype.hasobject or value.dtype.kind in "OUSV":
+            raise UnsupportedValueError(f"{self._where(path)}: NumPy scalar of dtype {value.dtype}")
+        return NumpyScalarNode(value.dtype.str, value.tobytes())
+
+    def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
+        where = self._where(path)
+        plain = tensor.detach()
+        if type(plain) is not torch.Tensor:
+            raise UnsupportedValueError(
+                f"{where}: tensor subclass {type(tensor).__qualname__} is not supported; "
+                "convert it to a plain tensor (e.g. DTensor.full_tensor())"
+            )
+        if plain.layout != torch.strided or plain.is_quantized or plain.is_nested:
+            raise UnsupportedValueError(f"{where}: only dense (strided) tensors can be stored")
+        if plain.device.type == "meta":
+            raise UnsupportedValueError(f"{where}: meta tensors hold no data to store")
+        check_storable(plain.dtype, where)
+        alias_key = (
+            plain.device,
+            plain.untyped_storage().data_ptr(),
+            plain.storage_offset(),
+            plain.dtype,
+            tuple(plain.shape),
+            plain.stride(),
+        )
+        if plain.numel() > 0 and alias_key in self._aliases:
+            return self._aliases[alias_key]
+        name = self._unique_name(path)
+        self._aliases[alias_key] = name
+        self.sources.append(_Source(name, plain, plain.numel() * plain.element_size()))
+        return name
+
+    def _unique_name(self, path: tuple[str, ...]) -> str:
+        base = "/".join(path) or "tensor"
+        if base == "__metadata__":
+            base = "__metadata__~"
+        name, n = base, 1
+        while name in self._names:
+            name, n = f"{base}~{n}", n + 1
+        self._names.add(name)
+        return name
+
+    def _where(self, path: tuple[str, ...]) -> str:
+        return "/".join((self.component, *path))
+
+
+def _numpy_to_tensor(array: np.ndarray, where: str) -> torch.Tensor:
+    if array.dtype.hasobject or array.dtype.kind not in "biufc":
+        raise UnsupportedValueError(
+            f"{where}: NumPy arrays of dtype {array.dtype} cannot be stored"
+        )
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    except TypeError as exc:
+        raise UnsupportedValueError(f"{where}: {exc}") from exc
+
+
+def _layout(sources: list[_Source]) -> tuple[list[_Source], list[TensorEntry], int]:
+    """Order tensors by decreasing element size so every tensor is naturally aligned."""
+    ordered = sorted(sources, key=lambda s: -s.tensor.element_size())
+    entries: list[TensorEntry] = []
+    position = 0
+    for source in ordered:
+        shape = tuple(source.tensor.shape)
+        entries.append(
+            TensorEntry(source.name, source.tensor.dtype, shape, position, position + source.nbytes)
+        )
+        position += source.nbytes
+    return ordered, entries, position
+
+
+def capture(state: Mapping[str, Any], buffer: StagingBuffer) -> list[CapturedComponent]:
+    """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory.
+
+    Called on the caller's thread. Raises UnsupportedValueError (before copying
+    anything) if a value cannot be stored.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(
+            f"state must be a mapping of component name to value, not {type(state).__qualname__}"
+        )
+    planned: list[tuple[CapturedComponent, list[_Source]]] = []
+    total = 0
+    for name, value in state.items():
+        check_component_name(name)
+        walker = _Walker(name)
+        tree = walker.walk(component_state(value, name), ())
+        ordered, entries, nbytes = _layout(walker.sources)
+        planned.append((CapturedComponent(name, tree, entries, total, nbytes), ordered))
+        total += math.ceil(nbytes / _REGION_ALIGN) * _REGION_ALIGN
+
+    devices = {s.tensor.device for _, sources in planned for s in sources}
+    uses_cuda = any(d.type == "cuda" for d in devices)
+    arena = buffer.reserve(total, pinned=uses_cuda)
+    for component, sources in planned:
+        for source, entry in zip(sources, component.entries, strict=True):
+            if source.nbytes == 0:
+                continue
+            begin = component.offset + entry.begin
+            target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)
+            target.view(source.tensor.shape).copy_(source.tensor, non_blocking=uses_cuda)
+    if uses_cuda:
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return [component for component, _ in planned]

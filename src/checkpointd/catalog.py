@@ -1,0 +1,88 @@
+"""The catalog of a root: which steps are committed, and their manifests.
+
+A step folder counts only if its manifest exists and decodes; folders without
+one (saves in progress, crashed saves) are never listed. Blocking; any thread.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+from checkpointd.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
+from checkpointd.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    CheckpointInfo,
+    Manifest,
+    decode_manifest,
+    step_dirname,
+)
+from checkpointd.storage import Store
+
+__all__ = ["CheckpointWarning", "committed", "read_manifest", "step_folders", "step_path"]
+
+_STEP_DIR = re.compile(r"\d{12}\Z")
+
+
+class CheckpointWarning(UserWarning):
+    """A step folder with a manifest was skipped because the manifest could not be read."""
+
+
+def step_path(store: Store, step: int) -> str:
+    """The user-facing location of a step's folder (for messages and CheckpointInfo.path)."""
+    return f"{store.url.rstrip('/')}/{step_dirname(step)}"
+
+
+def step_folders(store: Store) -> list[int]:
+    """Steps that have a folder under the root, committed or not, ascending."""
+    return sorted(int(name) for name in store.list_dir("") if _STEP_DIR.match(name))
+
+
+def read_manifest(store: Store, step: int) -> Manifest:
+    """Read and check the manifest of ``step``.
+
+    Raises CheckpointNotFoundError if the step has no manifest, CorruptCheckpointError
+    if it is damaged or names another step, IncompatibleCheckpointError if newer.
+    """
+    path = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    where = f"{step_path(store, step)}/{MANIFEST_NAME}"
+    try:
+        size = store.size(path)
+    except StorageNotFoundError:
+        raise CheckpointNotFoundError(f"step {step} is not committed under {store.url}") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {size} bytes is too large for a manifest")
+    manifest = decode_manifest(store.read_bytes(path, 0, size), where=where)
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"{where}: manifest is for step {manifest.step}, not {step}")
+    return manifest
+
+
+def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Manifest]]:
+    """Every committed step with its manifest, ascending (or newest first).
+
+    A manifest that exists but cannot be read is skipped with a CheckpointWarning.
+    """
+    found: list[tuple[int, Manifest]] = []
+    for step in step_folders(store):
+        try:
+            found.append((step, read_manifest(store, step)))
+        except CheckpointNotFoundError:
+            continue
+        except (CorruptCheckpointError, IncompatibleCheckpointError, StorageError) as exc:
+            warnings.warn(f"skipping step {step}: {exc}", CheckpointWarning, stacklevel=2)
+    if newest_first:
+        found.reverse()
+    return found
+
+
+def infos(store: Store) -> list[CheckpointInfo]:
+    """CheckpointInfo of every committed step, ascending by step."""
+    return [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in committed(store)]

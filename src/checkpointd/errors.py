@@ -1,0 +1,66 @@
+"""The exception hierarchy: every error checkpointd raises derives from CheckpointError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "RestoreMismatchError",
+    "StorageError",
+    "StorageFullError",
+    "StorageNotFoundError",
+    "StoragePermissionError",
+    "UnsupportedValueError",
+    "WriterClosedError",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every error raised by checkpointd."""
+
+
+class CheckpointNotFoundError(CheckpointError, LookupError):
+    """Nothing is committed at the root, or the requested step is not committed."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint failed a size, digest, header or manifest check."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint was written in a schema this version cannot read (upgrade checkpointd)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint for this step is already committed, or another writer published it first."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored without pickle (unknown type, dtype or layout)."""
+
+
+class RestoreMismatchError(CheckpointError):
+    """The checkpoint does not fit the live objects; nothing was changed."""
+
+
+class WriterClosedError(CheckpointError, RuntimeError):
+    """The writer was used after it was closed."""
+
+
+class StorageError(CheckpointError, OSError):
+    """An I/O error from the storage backend (local disk, S3, or another fsspec store)."""
+
+
+class StorageFullError(StorageError):
+    """The storage ran out of space or hit a size limit (ENOSPC, EDQUOT, EFBIG)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The storage refused access (EACCES, EPERM, S3 AccessDenied)."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """A file or folder the operation needs does not exist in the storage."""

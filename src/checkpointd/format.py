@@ -1,0 +1,324 @@
+"""On-storage encodings of one component: the safetensors header and the msgpack state tree.
+
+A component is stored as a tree file (``{name}.tree.msgpack``) holding the
+structure around the tensors, and, when it has tensors, a tensor file
+(``{name}.safetensors``) in the safetensors layout. The tree refers to tensors
+by their name in the tensor file. Nothing here uses pickle; decoding only
+builds containers, primitives and tensors. docs/format.md is the spec.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
+
+__all__ = [
+    "DTYPE_CODES",
+    "BigInt",
+    "DTypeNode",
+    "NumpyScalarNode",
+    "StateDictNode",
+    "TensorEntry",
+    "TensorRef",
+    "TupleNode",
+    "decode_tree",
+    "encode_safetensors_header",
+    "encode_tree",
+    "parse_safetensors_header",
+    "tensor_file_name",
+    "tree_file_name",
+]
+
+# safetensors dtype codes; the order of this table is the order of preference on write.
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+MAX_HEADER_BYTES = 256 * 2**20
+_HEADER_ALIGN = 8
+
+
+def tree_file_name(component: str) -> str:
+    """File name of a component's state tree inside the step folder."""
+    return f"{component}.tree.msgpack"
+
+
+def tensor_file_name(component: str) -> str:
+    """File name of a component's tensors inside the step folder."""
+    return f"{component}.safetensors"
+
+
+# ---------------------------------------------------------------------------
+# Tree nodes: what capture puts in place of values msgpack cannot carry as-is.
+# Plain slotted classes, not dataclasses: msgspec would encode dataclasses itself
+# instead of handing them to the extension hook.
+
+
+class TensorRef:
+    """A tensor stored in the component's tensor file under ``name`` (an array if ``numpy``)."""
+
+    __slots__ = ("name", "numpy")
+
+    def __init__(self, name: str, numpy: bool = False) -> None:
+        self.name = name
+        self.numpy = numpy
+
+
+class TupleNode:
+    """A tuple (msgpack has only arrays; restoring a tuple as a list would change types)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+
+class BigInt:
+    """An int outside msgpack's 64-bit range (NumPy's PCG64 state has 128-bit ints)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class StateDictNode:
+    """A module state dict with its ``_metadata`` (per-submodule versions used by load_state_dict)."""
+
+    __slots__ = ("items", "metadata")
+
+    def __init__(self, items: dict[Any, Any], metadata: Any) -> None:
+        self.items = items
+        self.metadata = metadata
+
+
+class DTypeNode:
+    """A ``torch.dtype`` value, stored by name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class NumpyScalarNode:
+    """A NumPy scalar, stored as its dtype string and raw bytes."""
+
+    __slots__ = ("data", "dtype")
+
+    def __init__(self, dtype: str, data: bytes) -> None:
+        self.dtype = dtype
+        self.data = data
+
+
+_EXT_TENSOR = 1
+_EXT_NDARRAY = 2
+_EXT_TUPLE = 3
+_EXT_BIGINT = 4
+_EXT_STATE_DICT = 5
+_EXT_DTYPE = 6
+_EXT_NPSCALAR = 7
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, TensorRef):
+        code = _EXT_NDARRAY if obj.numpy else _EXT_TENSOR
+        return msgspec.msgpack.Ext(code, obj.name.encode())
+    if isinstance(obj, TupleNode):
+        return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(obj.items))
+    if isinstance(obj, BigInt):
+        return msgspec.msgpack.Ext(_EXT_BIGINT, str(obj.value).encode())
+    if isinstance(obj, StateDictNode):
+        payload = [list(obj.items.items()), list(obj.metadata.items())]
+        return msgspec.msgpack.Ext(_EXT_STATE_DICT, _ENCODER.encode(payload))
+    if isinstance(obj, DTypeNode):
+        return msgspec.msgpack.Ext(_EXT_DTYPE, obj.name.encode())
+    if isinstance(obj, NumpyScalarNode):
+        return msgspec.msgpack.Ext(_EXT_NPSCALAR, _ENCODER.encode([obj.dtype, obj.data]))
+    raise UnsupportedValueError(f"cannot encode {type(obj).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def encode_tree(tree: Any) -> bytes:
+    """Encode a captured tree (containers, primitives and the node types above) as msgpack."""
+    return _ENCODER.encode(tree)
+
+
+def decode_tree(
+    data: bytes,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    where: str,
+) -> Any:
+    """Rebuild a state tree, resolving tensor references against ``tensors``.
+
+    Raises CorruptCheckpointError on malformed input or a reference to a missing tensor.
+    """
+
+    def ext_hook(code: int, payload: memoryview) -> Any:
+        if code in (_EXT_TENSOR, _EXT_NDARRAY):
+            name = bytes(payload).decode()
+            if name not in tensors:
+                raise CorruptCheckpointError(f"{where}: tree refers to missing tensor {name!r}")
+            tensor = tensors[name]
+            return tensor.numpy() if code == _EXT_NDARRAY else tensor
+        if code == _EXT_TUPLE:
+            return tuple(decoder.decode(payload))
+        if code == _EXT_BIGINT:
+            return int(bytes(payload).decode())
+        if code == _EXT_STATE_DICT:
+            items, metadata = decoder.decode(payload)
+            state: OrderedDict[Any, Any] = OrderedDict(items)
+            state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+            return state
+        if code == _EXT_DTYPE:
+            return _dtype_by_name(bytes(payload).decode(), where)
+        if code == _EXT_NPSCALAR:
+            dtype, raw = decoder.decode(payload)
+            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+        raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
+
+    decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=ext_hook)
+    try:
+        return decoder.decode(data)
+    except CorruptCheckpointError:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from exc
+
+
+def _dtype_by_name(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: unknown dtype name {name!r}")
+    return dtype
+
+
+# ---------------------------------------------------------------------------
+# safetensors header
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a tensor file: byte range relative to the start of the data region."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class _HeaderEntry(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[int]
+    data_offsets: tuple[int, int]
+
+
+def encode_safetensors_header(entries: list[TensorEntry]) -> bytes:
+    """Return the 8-byte length prefix and JSON header, padded so data starts 8-byte aligned."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "checkpointd"}}
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": DTYPE_CODES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [entry.begin, entry.end],
+        }
+    body = msgspec.json.encode(header)
+    body += b" " * (-(len(body) + 8) % _HEADER_ALIGN)
+    return len(body).to_bytes(8, "little") + body
+
+
+def header_length(prefix: bytes, file_size: int, *, where: str) -> int:
+    """Validate the 8-byte length prefix against the file size; return the header's length."""
+    if len(prefix) < 8 or file_size < 8:
+        raise CorruptCheckpointError(f"{where}: too short for a safetensors file")
+    length = int.from_bytes(prefix[:8], "little")
+    if length > MAX_HEADER_BYTES or length > file_size - 8:
+        raise CorruptCheckpointError(
+            f"{where}: header length {length} does not fit a file of {file_size} bytes"
+        )
+    return length
+
+
+def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> list[TensorEntry]:
+    """Parse and check a safetensors JSON header against the size of the data region.
+
+    Every tensor must lie inside the data region with the size its dtype and
+    shape imply, and the tensors must cover the region without gaps or overlap.
+    """
+    try:
+        raw = msgspec.json.decode(header.rstrip(b" "))
+    except msgspec.DecodeError as exc:
+        raise CorruptCheckpointError(f"{where}: malformed safetensors header ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{where}: safetensors header is not an object")
+    entries: list[TensorEntry] = []
+    for name, value in raw.items():
+        if name == "__metadata__":
+            continue
+        try:
+            item = msgspec.convert(value, _HeaderEntry)
+        except msgspec.ValidationError as exc:
+            raise CorruptCheckpointError(f"{where}: bad header entry {name!r} ({exc})") from exc
+        dtype = DTYPES_BY_CODE.get(item.dtype)
+        if dtype is None:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {item.dtype!r} for {name!r}")
+        if any(d < 0 for d in item.shape):
+            raise CorruptCheckpointError(f"{where}: negative dimension for {name!r}")
+        begin, end = item.data_offsets
+        expected = math.prod(item.shape) * dtype.itemsize
+        if not 0 <= begin <= end <= data_size or end - begin != expected:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {name!r} has offsets {begin}..{end}, "
+                f"which do not fit {expected} bytes in a data region of {data_size}"
+            )
+        entries.append(TensorEntry(name, dtype, tuple(item.shape), begin, end))
+    position = 0
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.begin != position:
+            raise CorruptCheckpointError(f"{where}: tensor data has a gap or overlap at {position}")
+        position = entry.end
+    if position != data_size:
+        raise CorruptCheckpointError(
+            f"{where}: {data_size - position} trailing bytes after tensors"
+        )
+    return entries
+
+
+def check_storable(dtype: torch.dtype, path: str) -> None:
+    """Raise UnsupportedValueError if tensors of ``dtype`` cannot be stored."""
+    if dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise UnsupportedValueError(
+            f"{path}: dtype {dtype} cannot be stored in a safetensors file (supported: {supported})"
+        )

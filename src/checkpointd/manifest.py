@@ -1,0 +1,199 @@
+"""The manifest: a checkpoint's commit marker and table of contents.
+
+The manifest is JSON encoded from versioned msgspec Structs and ends with its
+own CRC32C (``"manifest_crc32c"``, the last member), so a flipped bit anywhere
+in it is caught before a field is trusted. docs/format.md is the spec.
+
+Schema evolution rules: new optional fields with defaults may be added without
+a version bump (older readers ignore them); anything an older reader would
+misread bumps ``SCHEMA_VERSION``; readers refuse newer versions and migrate
+older ones through ``_MIGRATIONS``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from checkpointd.checksum import crc32c
+from checkpointd.errors import CorruptCheckpointError, IncompatibleCheckpointError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "CheckpointInfo",
+    "ComponentEntry",
+    "FileEntry",
+    "Manifest",
+    "decode_manifest",
+    "encode_manifest",
+    "step_dirname",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "checkpointd"
+MAX_MANIFEST_BYTES = 64 * 2**20
+
+_TAIL = re.compile(rb',"manifest_crc32c":"([0-9a-f]{8})"}\n?\Z')
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")
+
+
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One file of a checkpoint, relative to its step folder."""
+
+    path: str
+    size: int
+    crc32c: int
+    rank: int = 0
+
+
+class ComponentEntry(msgspec.Struct, frozen=True):
+    """Where one component lives: its tree file and its tensor files."""
+
+    tree: str
+    tensors: list[str] = msgspec.field(default_factory=list)
+    nbytes: int = 0
+    num_tensors: int = 0
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """Version 1 of the manifest schema."""
+
+    schema_version: int
+    step: int
+    created_at: datetime
+    library_version: str
+    components: dict[str, ComponentEntry]
+    files: list[FileEntry]
+    metrics: dict[str, Any] = msgspec.field(default_factory=dict)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    world_size: int = 1
+    format: str = FORMAT_NAME
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the component files (the manifest itself excluded)."""
+        return sum(f.size for f in self.files)
+
+
+class _Version(msgspec.Struct):
+    schema_version: int
+    format: str = FORMAT_NAME
+
+
+# Each entry turns the raw dict of schema version N into version N + 1.
+_MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def step_dirname(step: int) -> str:
+    """The folder name of a step: zero-padded so names sort like numbers."""
+    return f"{step:012d}"
+
+
+def is_safe_name(name: str) -> bool:
+    """True for a file or component name that stays inside its folder."""
+    return bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Encode ``manifest`` as JSON with its trailing CRC32C member."""
+    body = msgspec.json.encode(manifest)
+    return body[:-1] + b',"manifest_crc32c":"%08x"}\n' % crc32c(body)
+
+
+def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
+    """Check the digest, the schema version and the fields, then return the manifest.
+
+    Raises CorruptCheckpointError for damage and IncompatibleCheckpointError for
+    a newer schema. Never evaluates anything from the payload.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too large for a manifest")
+    match = _TAIL.search(data)
+    if match is None:
+        raise CorruptCheckpointError(f"{where}: missing or malformed manifest_crc32c trailer")
+    body = data[: match.start()] + b"}"
+    expected = int(match.group(1), 16)
+    actual = crc32c(body)
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where}: manifest digest mismatch (stored {expected:08x}, computed {actual:08x})"
+        )
+    try:
+        version = msgspec.json.decode(body, type=_Version)
+    except msgspec.DecodeError as exc:
+        raise CorruptCheckpointError(f"{where}: not a checkpointd manifest ({exc})") from exc
+    if version.format != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: format {version.format!r} is not {FORMAT_NAME!r}")
+    if version.schema_version > SCHEMA_VERSION:
+        raise IncompatibleCheckpointError(
+            f"{where}: schema_version {version.schema_version} is newer than this checkpointd "
+            f"reads ({SCHEMA_VERSION}); upgrade checkpointd to load it"
+        )
+    if version.schema_version < 1:
+        raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
+    try:
+        if version.schema_version == SCHEMA_VERSION:
+            manifest = msgspec.json.decode(body, type=Manifest)
+        else:
+            raw: dict[str, Any] = msgspec.json.decode(body)
+            for v in range(version.schema_version, SCHEMA_VERSION):
+                raw = _MIGRATIONS[v](raw)
+            manifest = msgspec.convert(raw, Manifest)
+    except msgspec.ValidationError as exc:
+        raise CorruptCheckpointError(f"{where}: invalid manifest ({exc})") from exc
+    _check_consistency(manifest, where)
+    return manifest
+
+
+def _check_consistency(manifest: Manifest, where: str) -> None:
+    """Refuse a manifest whose names could escape the step folder or that contradicts itself."""
+    if manifest.step < 0:
+        raise CorruptCheckpointError(f"{where}: negative step {manifest.step}")
+    listed: set[str] = set()
+    for entry in manifest.files:
+        if not is_safe_name(entry.path) or entry.path == MANIFEST_NAME:
+            raise CorruptCheckpointError(f"{where}: unsafe file name {entry.path!r}")
+        if entry.size < 0 or not 0 <= entry.crc32c < 2**32:
+            raise CorruptCheckpointError(f"{where}: invalid size or digest for {entry.path!r}")
+        if entry.path in listed:
+            raise CorruptCheckpointError(f"{where}: file {entry.path!r} listed twice")
+        listed.add(entry.path)
+    for name, component in manifest.components.items():
+        if not is_safe_name(name):
+            raise CorruptCheckpointError(f"{where}: unsafe component name {name!r}")
+        for path in (component.tree, *component.tensors):
+            if path not in listed:
+                raise CorruptCheckpointError(
+                    f"{where}: component {name!r} refers to unlisted file {path!r}"
+                )
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True):
+    """What a committed checkpoint is: returned by saves, listings and loads."""
+
+    step: int
+    path: str
+    created_at: datetime
+    nbytes: int
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+    components: tuple[str, ...]
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
+        """Describe the checkpoint committed by ``manifest`` in folder ``path``."""
+        return cls(
+            step=manifest.step,
+            path=path,
+            created_at=manifest.created_at,
+            nbytes=manifest.nbytes,
+            metrics=manifest.metrics,
+            metadata=manifest.metadata,
+            components=tuple(manifest.components),
+        )
