@@ -15,8 +15,10 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from checkpointd.checksum import BytesLike
@@ -28,7 +30,7 @@ from checkpointd.errors import (
     StoragePermissionError,
 )
 
-__all__ = ["FileSink", "FsspecStore", "LocalStore", "Store", "open_store"]
+__all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -69,6 +71,17 @@ def check_relpath(path: str) -> str:
     if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
         raise StorageError(errno.EINVAL, f"refusing path {path!r}: not a plain relative path")
     return path
+
+
+@dataclass(frozen=True, slots=True)
+class PendingUpload:
+    """An upload started but never completed nor aborted (an S3 multipart upload)."""
+
+    path: str
+    """The key it would create, relative to the store's root."""
+    upload_id: str
+    modified: float
+    """When it was started or last received a part (Unix seconds)."""
 
 
 class FileSink(Protocol):
@@ -142,6 +155,20 @@ class Store(ABC):
         except StorageNotFoundError:
             return False
         return True
+
+    def modified(self, path: str) -> float | None:
+        """When file ``path`` was last modified (Unix seconds), None if the store cannot say.
+
+        StorageNotFoundError if it is absent."""
+        self.size(path)
+        return None
+
+    def pending_uploads(self) -> list[PendingUpload]:
+        """Uploads under the root that were started and neither completed nor aborted."""
+        return []
+
+    def abort_upload(self, upload: PendingUpload) -> None:  # noqa: B027 - no uploads by default
+        """Abort ``upload`` (from pending_uploads); a no-op if it is already gone."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release what the store holds; the store must not be used afterwards."""
@@ -231,6 +258,11 @@ class LocalStore(Store):
             if not stat.S_ISREG(info.st_mode):
                 raise StorageError(errno.EINVAL, f"refusing {target}: not a regular file")
             return info.st_size
+
+    def modified(self, path: str) -> float | None:
+        target = self._abs(path)
+        with translate_errors("stat", target):
+            return os.lstat(target).st_mtime
 
     def list_dir(self, path: str) -> list[str]:
         target = self._abs(path)
@@ -390,6 +422,57 @@ class FsspecStore(Store):
                 raise StorageError(errno.EINVAL, f"refusing {target}: not a file")
             return int(info["size"])
 
+    def modified(self, path: str) -> float | None:
+        target = self._abs(path)
+        with translate_errors("stat", target):
+            info = self.fs.info(target)
+        return _timestamp(info.get("LastModified", info.get("mtime", info.get("created"))))
+
+    def _is_s3(self) -> bool:
+        return "s3" in _protocols(self.fs)
+
+    def pending_uploads(self) -> list[PendingUpload]:
+        """Incomplete S3 multipart uploads whose key lies under the root (S3 only)."""
+        if not self._is_s3():
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        prefix = f"{prefix}/" if prefix else ""
+        found: list[PendingUpload] = []
+        markers: dict[str, str] = {}
+        with translate_errors("list uploads", self.url):
+            while True:
+                page = self.fs.call_s3(
+                    "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers
+                )
+                for upload in page.get("Uploads", []) or []:
+                    key, upload_id = upload["Key"], upload["UploadId"]
+                    parts = self.fs.call_s3(
+                        "list_parts", Bucket=bucket, Key=key, UploadId=upload_id
+                    ).get("Parts", [])
+                    times = [_timestamp(upload.get("Initiated"))]
+                    times += [_timestamp(part.get("LastModified")) for part in parts]
+                    found.append(
+                        PendingUpload(
+                            key[len(prefix) :],
+                            upload_id,
+                            max((t for t in times if t is not None), default=time.time()),
+                        )
+                    )
+                if not page.get("IsTruncated"):
+                    return found
+                markers = {
+                    "KeyMarker": page["NextKeyMarker"],
+                    "UploadIdMarker": page["NextUploadIdMarker"],
+                }
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, _, prefix = self.root.partition("/")
+        key = f"{prefix}/{upload.path}" if prefix else upload.path
+        with contextlib.suppress(StorageNotFoundError), translate_errors("abort upload", key):
+            self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+            )
+
     def list_dir(self, path: str) -> list[str]:
         target = self._abs(path)
         try:
@@ -440,6 +523,25 @@ class _FsspecSink:
             # No real uncommitted upload here (memory://): the key is already visible.
             with contextlib.suppress(Exception):
                 self._store.fs.rm_file(self._target)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _timestamp(value: Any) -> float | None:
+    """Unix seconds from what fsspec/botocore report (datetime, ISO string or number)."""
+    from datetime import datetime
+
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(value).timestamp()
+    return None
 
 
 def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> Store:
