@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from checkpointd.checksum import BytesLike
+from checkpointd.directio import DIRECT_MIN_BYTES, write_direct
 from checkpointd.errors import (
     CheckpointExistsError,
     StorageError,
@@ -221,7 +222,13 @@ class LocalStore(Store):
         except BaseException:
             sink.discard()
             raise
-        self.sync_dir(path.rpartition("/")[0])
+        try:
+            self.sync_dir(path.rpartition("/")[0])
+        except BaseException:
+            # Linked but maybe not durable: withdraw it, so a failed publish is never visible.
+            with contextlib.suppress(OSError):
+                os.unlink(final)
+            raise
 
     def _open_regular(self, target: str) -> int:
         """Open ``target`` for reading, refusing links, FIFOs, devices and escapes from root."""
@@ -309,11 +316,14 @@ class _LocalSink:
         with translate_errors("create", self.temp):
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             self._fd = os.open(self.temp, flags, 0o644)
+        self._direct = True  # large aligned writes bypass the page cache (directio.py)
 
     def write(self, data: BytesLike) -> None:
         assert self._fd is not None, "write after commit or discard"
         view = memoryview(data).cast("B")
         with translate_errors("write", self.temp):
+            if self._direct and len(view) >= DIRECT_MIN_BYTES:
+                view, self._direct = write_direct(self._fd, view)
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
@@ -519,6 +529,9 @@ class _FsspecSink:
         with contextlib.suppress(Exception):
             if hasattr(handle, "discard"):
                 handle.discard()
+        # A discarded fsspec file must not flush again when garbage-collected.
+        with contextlib.suppress(Exception):
+            handle.closed = True
         if getattr(handle, "autocommit", True):
             # No real uncommitted upload here (memory://): the key is already visible.
             with contextlib.suppress(Exception):

@@ -13,7 +13,6 @@ is raised again by ``wait()``, by the next ``save()``, and when the writer close
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -181,20 +180,27 @@ class _WriteService:
     async def _write(
         self, snapshot: Snapshot, handle: SaveHandle, limiter: anyio.CapacityLimiter
     ) -> None:
+        """Write one snapshot, run retention, then resolve its handle (in that order)."""
         try:
-            info = await write_snapshot(self.store, snapshot, limiter)
+            try:
+                info = await write_snapshot(self.store, snapshot, limiter)
+            finally:
+                self.release_buffer(snapshot.buffer)  # the next save may capture now
         except Exception as exc:
             error = _first_leaf(exc)
             self.failures.add(error)
             handle._resolve(None, error)
             return
-        finally:
-            self.release_buffer(snapshot.buffer)
-        handle._resolve(info, None)
+        except BaseException:
+            handle._resolve(None, WriterClosedError("the writer stopped during this save"))
+            raise
         try:
-            await apply_retention(self.store, self.policy, limiter)
+            await apply_retention(self.store, self.policy, limiter, committed_step=info.step)
         except Exception as exc:
+            # The checkpoint is committed; the retention failure is reported on its own.
             self.failures.add(_first_leaf(exc))
+        finally:
+            handle._resolve(info, None)
 
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
@@ -284,7 +290,8 @@ def _json_hook(value: Any) -> Any:
 
 
 def _plain_json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
-    """A plain-JSON copy of ``value`` (scalar tensors and NumPy scalars become numbers)."""
+    """A plain-JSON copy of ``value``: scalar tensors and NumPy scalars become numbers,
+    NaN and infinities become null (JSON has neither)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -293,9 +300,6 @@ def _plain_json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
         plain: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(value, enc_hook=_json_hook))
     except (UnsupportedValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
         raise UnsupportedValueError(f"{what} must be JSON-able: {exc}") from exc
-    for key, item in plain.items():
-        if isinstance(item, float) and not math.isfinite(item):
-            raise UnsupportedValueError(f"{what}[{key!r}] is {item}; JSON has no NaN or inf")
     return plain
 
 
