@@ -31,5 +31,10 @@ def test_save_then_load_is_bit_exact(any_root: Root) -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state["model"][key], value), key
     assert loaded.state["extra"] == {"epoch": 3, "name": "run-1"}
-    steps = [c.step for c in checkpointd.list_checkpoints(any_root.url, storage_options=any_root.storage_options)]
+    steps = [
+        c.step
+        for c in checkpointd.list_checkpoints(
+            any_root.url, storage_options=any_root.storage_options
+        )
+    ]
     assert steps == [7]
