@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +25,7 @@ from checkpointd import __version__
 from checkpointd.capture import CapturedComponent, StagingBuffer
 from checkpointd.catalog import infos, step_path
 from checkpointd.checksum import BytesLike, crc32c
+from checkpointd.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from checkpointd.errors import CheckpointExistsError
 from checkpointd.format import (
     encode_safetensors_header,
@@ -42,7 +44,12 @@ from checkpointd.manifest import (
     encode_manifest,
     step_dirname,
 )
-from checkpointd.retention import RetentionPolicy, checkpoints_to_delete
+from checkpointd.retention import (
+    RetentionPolicy,
+    RetentionWarning,
+    plan_retention,
+    unranked_warning,
+)
 from checkpointd.storage import FileSink, Store
 
 __all__ = ["Snapshot", "apply_retention", "write_snapshot"]
@@ -133,7 +140,9 @@ async def write_snapshot(
                 group.start_soon(stream, tree_name, tree_parts)
                 if component.entries:
                     tensor_names.append(tensor_file_name(component.name))
-                    header = encode_safetensors_header(component.entries)
+                    # Large data regions start 4 KiB-aligned in the file for direct I/O.
+                    align = DIRECT_ALIGN if component.nbytes >= DIRECT_MIN_BYTES else 8
+                    header = encode_safetensors_header(component.entries, align=align)
                     data = snapshot.buffer.view(component.offset, component.nbytes)
                     tensor_parts: list[BytesLike] = [header, data]
                     group.start_soon(stream, tensor_names[0], tensor_parts)
@@ -193,19 +202,41 @@ def _clean_up(
 
 
 def _delete_checkpoint(store: Store, step: int) -> None:
-    """Remove a committed checkpoint: its manifest first, so it is never seen half-deleted."""
+    """Remove a committed checkpoint: its manifest first, so it is never seen half-deleted.
+
+    Once the manifest is gone the folder is not a checkpoint: if removing the
+    rest fails or the process dies, what is left is a leftover for GC, which no
+    reader lists or loads. Worker thread (blocking).
+    """
     folder = step_dirname(step)
     store.remove_file(f"{folder}/{MANIFEST_NAME}")
     store.remove_dir(folder)
 
 
 async def apply_retention(
-    store: Store, policy: RetentionPolicy, limiter: anyio.CapacityLimiter
+    store: Store,
+    policy: RetentionPolicy,
+    limiter: anyio.CapacityLimiter,
+    *,
+    committed_step: int | None = None,
 ) -> list[int]:
-    """Delete the committed checkpoints ``policy`` drops; return their steps. Call after a commit."""
+    """Delete the committed checkpoints ``policy`` drops; return their steps, oldest first.
+
+    Call only after a commit, with that commit's step. Only committed checkpoints
+    are considered: a save still in flight has no manifest, so it is neither
+    counted nor touched, and the newest committed checkpoint (and
+    ``committed_step``) is never deleted, so a durable checkpoint always remains.
+    Warns (RetentionWarning) if ``committed_step`` lacks the best metric.
+    """
     if not policy.deletes_anything:
         return []
-    victims = checkpoints_to_delete(await _in_thread(limiter, infos, store), policy)
-    for victim in victims:
+    protect = () if committed_step is None else (committed_step,)
+    plan = plan_retention(await _in_thread(limiter, infos, store), policy, protect=protect)
+    deleted: list[int] = []
+    for victim in plan.delete:
         await _in_thread(limiter, _delete_checkpoint, store, victim.step)
-    return [victim.step for victim in victims]
+        deleted.append(victim.step)
+    if committed_step is not None and committed_step in plan.unranked:
+        # Only the new step: older unranked steps were reported when they were committed.
+        warnings.warn(unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
+    return deleted

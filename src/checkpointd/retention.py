@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from checkpointd.manifest import CheckpointInfo
 
-__all__ = ["RetentionPolicy", "RetentionWarning", "checkpoints_to_delete", "checkpoints_to_keep"]
+__all__ = [
+    "RetentionPlan",
+    "RetentionPolicy",
+    "RetentionWarning",
+    "checkpoints_to_delete",
+    "checkpoints_to_keep",
+    "plan_retention",
+]
 
 
 class RetentionWarning(UserWarning):
@@ -54,24 +61,68 @@ class RetentionPolicy:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
 
 
-def checkpoints_to_keep(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) -> set[int]:
-    """The steps the policy keeps among ``checkpoints`` (any order)."""
-    if not checkpoints:
-        return set()
+@dataclass(frozen=True, slots=True)
+class RetentionPlan:
+    """What a policy does to a list of committed checkpoints.
+
+    ``reasons[step]`` names the rules that keep ``step`` ("newest", "last",
+    "every", "best", "protected"); ``delete`` is what no rule keeps, oldest
+    first; ``unranked`` are steps the best-metric rule could not rank.
+    """
+
+    reasons: dict[int, tuple[str, ...]]
+    delete: tuple[CheckpointInfo, ...]
+    unranked: tuple[int, ...]
+
+    @property
+    def keep(self) -> set[int]:
+        """The steps kept."""
+        return set(self.reasons)
+
+
+def plan_retention(
+    checkpoints: Sequence[CheckpointInfo],
+    policy: RetentionPolicy,
+    *,
+    protect: Iterable[int] = (),
+) -> RetentionPlan:
+    """Apply ``policy`` to ``checkpoints`` (committed ones, any order); pure, never warns.
+
+    The newest step and the ``protect`` steps present are always kept. With no
+    rule set, everything is kept.
+    """
     by_step = sorted(checkpoints, key=lambda c: c.step)
-    if not policy.deletes_anything:
-        return {c.step for c in by_step}
-    kept = {by_step[-1].step}
-    if policy.keep_last is not None:
-        kept.update(c.step for c in by_step[-policy.keep_last :])
-    if policy.keep_every is not None:
-        kept.update(c.step for c in by_step if c.step % policy.keep_every == 0)
-    if policy.keep_best is not None:
-        kept.update(_best_steps(by_step, policy))
-    return kept
+    reasons: dict[int, list[str]] = {}
+
+    def keep(steps: Iterable[int], reason: str) -> None:
+        for step in steps:
+            reasons.setdefault(step, []).append(reason)
+
+    unranked: list[int] = []
+    if by_step:
+        keep([by_step[-1].step], "newest")
+        present = {c.step for c in by_step}
+        keep(sorted(present.intersection(protect)), "protected")
+        if not policy.deletes_anything:
+            keep(sorted(present), "no rule")
+        if policy.keep_last is not None:
+            keep((c.step for c in by_step[-policy.keep_last :]), "last")
+        if policy.keep_every is not None:
+            keep((c.step for c in by_step if c.step % policy.keep_every == 0), "every")
+        if policy.keep_best is not None:
+            best, unranked = _best_steps(by_step, policy)
+            keep(best, "best")
+    return RetentionPlan(
+        reasons={step: tuple(why) for step, why in sorted(reasons.items())},
+        delete=tuple(c for c in by_step if c.step not in reasons),
+        unranked=tuple(unranked),
+    )
 
 
-def _best_steps(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) -> list[int]:
+def _best_steps(
+    checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy
+) -> tuple[list[int], list[int]]:
+    """The ``keep_best`` best steps, and the steps without a numeric metric to rank."""
     assert policy.best_metric is not None
     assert policy.keep_best is not None
     ranked: list[tuple[float, int]] = []
@@ -81,21 +132,40 @@ def _best_steps(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) 
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
             unranked.append(checkpoint.step)
             continue
-        ranked.append((value if policy.best_mode == "min" else -value, checkpoint.step))
-    if unranked:
-        warnings.warn(
-            f"steps {unranked} have no numeric metric {policy.best_metric!r}; "
-            "only keep_last/keep_every can keep them",
-            RetentionWarning,
-            stacklevel=3,
-        )
+        # Ties go to the newer step: it carries more training for the same score.
+        ranked.append((value if policy.best_mode == "min" else -value, -checkpoint.step))
     ranked.sort()
-    return [step for _, step in ranked[: policy.keep_best]]
+    return [-neg_step for _, neg_step in ranked[: policy.keep_best]], unranked
+
+
+def unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
+    """The RetentionWarning message for ``steps`` that lack the best metric."""
+    return (
+        f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
+        f"{'have' if len(steps) > 1 else 'has'} no numeric metric {policy.best_metric!r}: "
+        "keep_best cannot rank it; only keep_last/keep_every (or being newest) keep it"
+    )
+
+
+def checkpoints_to_keep(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) -> set[int]:
+    """The steps the policy keeps among ``checkpoints`` (any order).
+
+    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
+    """
+    plan = plan_retention(checkpoints, policy)
+    if plan.unranked:
+        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
+    return plan.keep
 
 
 def checkpoints_to_delete(
     checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy
 ) -> list[CheckpointInfo]:
-    """The checkpoints the policy drops, oldest first; never the newest."""
-    kept = checkpoints_to_keep(checkpoints, policy)
-    return sorted((c for c in checkpoints if c.step not in kept), key=lambda c: c.step)
+    """The checkpoints the policy drops, oldest first; never the newest.
+
+    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
+    """
+    plan = plan_retention(checkpoints, policy)
+    if plan.unranked:
+        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
+    return list(plan.delete)
