@@ -13,8 +13,10 @@ is raised again by ``wait()``, by the next ``save()``, and when the writer close
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -303,6 +305,37 @@ def _plain_json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
     return plain
 
 
+_LIVE_WRITERS: weakref.WeakSet[CheckpointWriter] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_live_writers() -> None:
+    """At interpreter exit, finish the pending saves of writers nobody closed.
+
+    Runs before non-daemon threads are joined (the service thread is one); an
+    error nobody saw is printed, since there is no caller left to raise it to.
+    """
+    for writer in list(_LIVE_WRITERS):
+        try:
+            writer.close()
+        except Exception as exc:
+            print(f"checkpointd: unclosed writer for {writer.root}: {exc}", file=sys.stderr)
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if _exit_hook_registered:
+            return
+        # threading's own pre-join hook (what concurrent.futures uses): plain atexit
+        # runs only after non-daemon threads are joined, which would wait forever.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_close_live_writers)
+        _exit_hook_registered = True
+
+
 class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
     """Saves checkpoints in the background from synchronous training code.
 
@@ -341,6 +374,8 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
+        _register_exit_hook()
+        _LIVE_WRITERS.add(self)
 
     def save(
         self,
@@ -386,6 +421,7 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
         if self._closed:
             return
         self._closed = True
+        _LIVE_WRITERS.discard(self)
         try:
             self._portal.call(self._service.stop)
             self._service_done.result()

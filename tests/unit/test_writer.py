@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,29 @@ def test_async_writer_raises_unseen_failure_on_exit(tmp_path: Path) -> None:
 
     with pytest.raises(StorageError):
         anyio.run(main)
+
+
+def _run_script(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=False
+    )
+
+
+def test_unclosed_writer_finishes_its_saves_at_exit(tmp_path: Path) -> None:
+    done = _run_script(
+        "import checkpointd, torch\n"
+        f"w = checkpointd.CheckpointWriter({str(tmp_path)!r})\n"
+        "w.save(1, {'m': {'w': torch.ones(1000)}})\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert checkpointd.load(str(tmp_path)).state["m"]["w"].sum().item() == 1000
+
+
+def test_unclosed_writer_reports_an_unseen_failure_at_exit(tmp_path: Path) -> None:
+    done = _run_script(
+        "import checkpointd, torch\n"
+        f"w = checkpointd.CheckpointWriter({_broken_root(tmp_path)!r})\n"
+        "w.save(1, {'m': {'w': torch.ones(3)}})\n"
+    )
+    assert "checkpointd: unclosed writer" in done.stderr
+    assert "Not a directory" in done.stderr
