@@ -153,6 +153,13 @@ async def write_snapshot(
                     num_tensors=len(component.entries),
                 )
         lease = await _in_thread(limiter, claim, store, folder)
+        # Another writer may have committed this step and released the lease since our
+        # first check: committing now would overwrite its files.
+        if await _in_thread(limiter, store.exists, manifest_path):
+            raise CheckpointExistsError(
+                f"step {snapshot.step} was committed by another writer at "
+                f"{step_path(store, snapshot.step)}"
+            )
         async with anyio.create_task_group() as group:
             for sink, entry in list(streamed):
                 group.start_soon(commit, sink, entry)
@@ -194,6 +201,14 @@ def _clean_up(
             sink.discard()
     if lease is None:
         return
+    try:
+        published = store.exists(f"{folder}/{MANIFEST_NAME}")
+    except Exception:
+        published = True  # unknown: keep the files; gc removes them if no manifest appears
+    if published:
+        # A publish with an unknown outcome landed: the checkpoint is complete and visible,
+        # so its files must stay (removing them would tear it).
+        committed = []
     for entry in committed:
         with contextlib.suppress(Exception):
             store.remove_file(f"{folder}/{entry.path}")

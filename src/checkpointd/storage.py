@@ -414,7 +414,17 @@ class FsspecStore(Store):
             try:
                 self.fs.pipe_file(target, data, mode="create")
             except FileExistsError:
+                # A retried PUT whose first attempt landed sees its own object: that is success.
+                if self._holds(target, data):
+                    return
                 raise CheckpointExistsError(f"{target} already exists") from None
+
+    def _holds(self, target: str, data: bytes) -> bool:
+        try:
+            self.fs.invalidate_cache(target)
+            return bool(self.fs.cat_file(target) == data)
+        except Exception:
+            return False
 
     def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
         target = self._abs(path)
