@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from checkpointd.directio import DIRECT_ALIGN
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
     BigInt,
@@ -37,7 +38,9 @@ __all__ = ["CapturedComponent", "StagingBuffer", "capture", "check_component_nam
 _COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}\Z")
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
-_REGION_ALIGN = 64
+# Components start on 4 KiB boundaries of a 4 KiB-aligned arena, so their data
+# regions can be written with direct I/O (see directio.py).
+_REGION_ALIGN = DIRECT_ALIGN
 
 
 def check_component_name(name: object) -> str:
@@ -66,7 +69,9 @@ class StagingBuffer:
         arena = self._arena
         if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
             self._arena = None  # drop the old arena before allocating the new one
-            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            raw = torch.empty(max(nbytes, 1) + _REGION_ALIGN, dtype=torch.uint8, pin_memory=pinned)
+            skip = -raw.data_ptr() % _REGION_ALIGN
+            arena = raw[skip : skip + max(nbytes, 1)]
             self._arena = arena
             self.allocations += 1
         return arena

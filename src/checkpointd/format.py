@@ -244,8 +244,14 @@ class _HeaderEntry(msgspec.Struct, forbid_unknown_fields=True):
     data_offsets: tuple[int, int]
 
 
-def encode_safetensors_header(entries: list[TensorEntry]) -> bytes:
-    """Return the 8-byte length prefix and JSON header, padded so data starts 8-byte aligned."""
+def encode_safetensors_header(entries: list[TensorEntry], *, align: int = _HEADER_ALIGN) -> bytes:
+    """Return the 8-byte length prefix and JSON header, padded so data starts ``align``-aligned.
+
+    ``align`` is a multiple of 8; the writer passes the direct-I/O block size for
+    large files so the data region can go to disk without the page cache.
+    """
+    if align % _HEADER_ALIGN or align <= 0:
+        raise ValueError(f"header alignment must be a positive multiple of 8, not {align}")
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "checkpointd"}}
     for entry in entries:
         header[entry.name] = {
@@ -254,7 +260,7 @@ def encode_safetensors_header(entries: list[TensorEntry]) -> bytes:
             "data_offsets": [entry.begin, entry.end],
         }
     body = msgspec.json.encode(header)
-    body += b" " * (-(len(body) + 8) % _HEADER_ALIGN)
+    body += b" " * (-(len(body) + 8) % align)
     return len(body).to_bytes(8, "little") + body
 
 

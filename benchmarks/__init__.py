@@ -1,0 +1,1 @@
+"""checkpointd benchmarks: side-by-side ratios, run with ``python -m benchmarks.run``."""
