@@ -59,7 +59,12 @@ def read_manifest(store: Store, step: int) -> Manifest:
         raise CheckpointNotFoundError(f"step {step} is not committed under {store.url}") from None
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {size} bytes is too large for a manifest")
-    manifest = decode_manifest(store.read_bytes(path, 0, size), where=where)
+    try:
+        data = store.read_bytes(path, 0, size)
+    except StorageNotFoundError:
+        # Deleted (by retention or gc) since the size call: no longer committed.
+        raise CheckpointNotFoundError(f"step {step} is not committed under {store.url}") from None
+    manifest = decode_manifest(data, where=where)
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest is for step {manifest.step}, not {step}")
     return manifest
