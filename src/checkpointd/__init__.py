@@ -24,7 +24,8 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.manifest import CheckpointInfo
-from checkpointd.restore import Checkpoint, list_checkpoints, load, restore
+from checkpointd.progress import TrainingProgress
+from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.retention import RetentionPolicy
 from checkpointd.rng import RNGState
 from checkpointd.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
@@ -40,6 +41,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "RNGState",
+    "RestoreInfo",
     "RestoreMismatchError",
     "RetentionPolicy",
     "SaveHandle",
@@ -47,6 +49,7 @@ __all__ = [
     "StorageFullError",
     "StorageNotFoundError",
     "StoragePermissionError",
+    "TrainingProgress",
     "UnsupportedValueError",
     "WriterClosedError",
     "__version__",

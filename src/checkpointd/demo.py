@@ -1,9 +1,11 @@
 """The demo job: train a small model, checkpoint in the background, resume when run again.
 
 Prints, for every save, how long the training loop was blocked and how long
-until the checkpoint was durable. Data order is derived from (seed, epoch), and
-the loop's progress is saved as a component, so a rerun continues at exactly
-the next batch.
+until the checkpoint was durable. Everything that decides what happens next is
+a component of the checkpoint (model, optimizer, scheduler, every global RNG,
+and a ``TrainingProgress`` that carries the epoch, the step, the data order
+consumed and the loss history), so a rerun continues exactly where the last
+run stopped, mid-epoch included, as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from checkpointd.progress import TrainingProgress
 from checkpointd.restore import list_checkpoints, restore
 from checkpointd.rng import RNGState
 from checkpointd.writer import CheckpointWriter, SaveHandle
@@ -39,23 +43,6 @@ class DemoConfig:
     storage_options: Mapping[str, Any] | None = None
 
 
-class Progress:
-    """The training loop's own state: where it is, and what it has seen (a Stateful)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.samples_seen = 0
-        self.losses: list[float] = []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "samples_seen": self.samples_seen, "losses": list(self.losses)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.samples_seen = int(state["samples_seen"])
-        self.losses = [float(x) for x in state["losses"]]
-
-
 def _model(width: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(32, width),
@@ -67,36 +54,42 @@ def _model(width: int) -> nn.Module:
     )
 
 
-def _batch(config: DemoConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch number ``step`` of the synthetic data set: a function of (seed, epoch, position)."""
-    epoch, position = divmod(step, config.steps_per_epoch)
-    order = torch.randperm(
-        config.steps_per_epoch, generator=torch.Generator().manual_seed(config.seed * 1000 + epoch)
-    )
-    sample = torch.Generator().manual_seed(int(order[position]) + 7919 * config.seed)
-    x = torch.randn(config.batch_size, 32, generator=sample)
-    y = x[:, :4].sum(dim=1, keepdim=True).sin()
-    return x, y
+def _dataset(config: DemoConfig) -> TensorDataset:
+    """A fixed synthetic data set of ``steps_per_epoch`` batches, a function of the seed."""
+    g = torch.Generator().manual_seed(7919 + config.seed)
+    x = torch.randn(config.steps_per_epoch * config.batch_size, 32, generator=g)
+    return TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).sin())
 
 
-def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Progress:
-    """Train ``config.steps`` more steps, resuming from the newest checkpoint; return progress."""
+def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> TrainingProgress:
+    """Train ``config.steps`` more steps, resuming from the newest checkpoint; return progress.
+
+    Saves every ``save_every`` steps and at the end of the run, waits for
+    durability at every epoch boundary. Call from the main thread.
+    """
     torch.manual_seed(config.seed)
     model = _model(config.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
-    progress = Progress()
+    loader_generator = torch.Generator().manual_seed(config.seed)
+    loader = DataLoader(
+        _dataset(config), batch_size=config.batch_size, shuffle=True, generator=loader_generator
+    )
+    progress = TrainingProgress()
     state = {
         "model": model,
         "optimizer": optimizer,
         "scheduler": scheduler,
-        "rng": RNGState(),
-        "progress": progress,
+        "rng": RNGState(),  # dropout draws from torch's global generator
+        "progress": progress,  # epoch, step, batches consumed, loss history, data order
     }
     existing = list_checkpoints(config.root, storage_options=config.storage_options)
     if existing:
         info = restore(config.root, state, storage_options=config.storage_options)
-        out(f"resumed from step {info.step} at {info.path}")
+        out(
+            f"resumed from step {info.step} at {info.path} "
+            f"(epoch {progress.epoch}, batch {progress.batch_in_epoch} of the epoch)"
+        )
     else:
         out(f"no checkpoint under {config.root}: starting fresh")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -117,28 +110,33 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Progress
         return [h for h in handles if not h.done()]
 
     loss_fn = nn.MSELoss()
+    saved = progress.step
     with CheckpointWriter(
         config.root, storage_options=config.storage_options, keep_last=config.keep_last
     ) as writer:
         started = time.perf_counter()
         target = progress.step + config.steps
         while progress.step < target:
-            x, y = _batch(config, progress.step)
             model.train()
-            loss = loss_fn(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            progress.step += 1
-            progress.samples_seen += x.shape[0]
-            progress.losses.append(loss.item())
-            if progress.step % config.save_every == 0:
-                pending.append(writer.save(progress.step, state, metrics={"loss": loss.item()}))
-            if progress.step % config.steps_per_epoch == 0:
+            for x, y in progress.epoch_batches(loader, loader_generator):
+                loss = loss_fn(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                progress.record(samples=x.shape[0], loss=loss.item())
+                if progress.step % config.save_every == 0:
+                    pending.append(writer.save(progress.step, state, metrics={"loss": loss.item()}))
+                    saved = progress.step
+                pending = report(pending)
+                if progress.step >= target:
+                    break
+            else:
                 writer.wait()  # epoch boundary: everything saved so far is durable
-                out(f"epoch {progress.step // config.steps_per_epoch} done, loss {loss.item():.4f}")
-            pending = report(pending)
+                out(f"epoch {progress.epoch} done, loss {progress.history['loss'][-1]:.4f}")
+        if saved != progress.step:  # the run's last steps: a rerun continues from here
+            metrics = {"loss": progress.history["loss"][-1]}
+            pending.append(writer.save(progress.step, state, metrics=metrics))
         writer.wait()
         report(pending)
         out(f"trained to step {progress.step} in {time.perf_counter() - started:.1f} s")

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from checkpointd import catalog
 from checkpointd.checksum import crc32c
 from checkpointd.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     RestoreMismatchError,
@@ -25,12 +28,20 @@ from checkpointd.errors import (
 )
 from checkpointd.format import decode_tree, header_length, parse_safetensors_header
 from checkpointd.manifest import CheckpointInfo, ComponentEntry, FileEntry, Manifest, step_dirname
-from checkpointd.stateful import check_restorable, component_state, load_component, unwrap
+from checkpointd.stateful import (
+    check_restorable,
+    check_state,
+    component_state,
+    layout_problems,
+    load_component,
+    unwrap,
+)
 from checkpointd.storage import Store, open_store
 
-__all__ = ["Checkpoint", "list_checkpoints", "load", "restore"]
+__all__ = ["Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"]
 
 _READ_THREADS = 4
+_log = logging.getLogger("checkpointd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +208,7 @@ def _tensor_shapes(tree: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ..
     }
 
 
-def _check_fits(name: str, target: Any, tree: Any) -> None:
-    """Raise RestoreMismatchError if a module's tensors differ in names, shapes or dtypes."""
-    live = unwrap(target)
-    if not isinstance(live, torch.nn.Module):
-        return
+def _module_problems(live: torch.nn.Module, tree: Any) -> list[str]:
     expected = _tensor_shapes(live.state_dict())
     stored = _tensor_shapes(tree)
     problems: list[str] = []
@@ -215,16 +222,170 @@ def _check_fits(name: str, target: Any, tree: Any) -> None:
                 f"{key}: stored {list(stored[key][0])} {stored[key][1]}, "
                 f"live {list(expected[key][0])} {expected[key][1]}"
             )
+    return problems
+
+
+def _param_state_problems(
+    where: str, param: torch.Tensor, stored: Mapping[Any, Any], live: Mapping[Any, Any] | None
+) -> list[str]:
+    """Check one parameter's stored optimizer state against the live state, else the param."""
+    problems: list[str] = []
+    for key, value in stored.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape, dtype = tuple(value.shape), value.dtype
+        current = live.get(key) if live else None
+        if isinstance(current, torch.Tensor):
+            if (shape, dtype) != (tuple(current.shape), current.dtype):
+                problems.append(
+                    f"{where}/{key}: stored {list(shape)} {dtype}, "
+                    f"live {list(current.shape)} {current.dtype}"
+                )
+            continue
+        # No live state yet (a fresh optimizer): torch.optim keeps per-parameter buffers
+        # shaped like the parameter, or broadcastable to it (Adafactor's row/column
+        # factors), in the parameter's dtype; scalars such as "step" are free.
+        if value.numel() <= 1 or value.dim() != param.dim():
+            continue
+        fits = all(s in (1, p) for s, p in zip(shape, param.shape, strict=True))
+        if not fits or (value.is_floating_point() and dtype != param.dtype):
+            problems.append(
+                f"{where}/{key}: stored {list(shape)} {dtype}, "
+                f"parameter is {list(param.shape)} {param.dtype}"
+            )
+    return problems
+
+
+def _optimizer_problems(live: torch.optim.Optimizer, tree: Any) -> list[str]:
+    """Group count, parameters per group, and per-parameter state shapes and dtypes."""
+    if not isinstance(tree, Mapping) or not {"state", "param_groups"} <= tree.keys():
+        return ["not an optimizer state dict (needs 'state' and 'param_groups')"]
+    groups, live_groups = tree["param_groups"], live.param_groups
+    if len(groups) != len(live_groups):
+        return [f"{len(groups)} parameter group(s) stored, the optimizer has {len(live_groups)}"]
+    problems: list[str] = []
+    params: dict[Any, torch.Tensor] = {}
+    for i, (group, live_group) in enumerate(zip(groups, live_groups, strict=True)):
+        ids = list(group.get("params", []))
+        if len(ids) != len(live_group["params"]):
+            problems.append(
+                f"group {i}: {len(ids)} parameter(s) stored, the optimizer has "
+                f"{len(live_group['params'])}"
+            )
+        else:
+            params.update(zip(ids, live_group["params"], strict=True))
+    if problems or isinstance(live, torch.optim.LBFGS):  # LBFGS keeps flat whole-model state
+        return problems
+    for pid, stored in tree["state"].items():
+        if pid not in params:
+            problems.append(f"state for parameter id {pid!r}, which no group lists")
+        elif isinstance(stored, Mapping):
+            param = params[pid]
+            problems += _param_state_problems(f"state/{pid}", param, stored, live.state.get(param))
+    return problems
+
+
+def _scheduler_problems(live: torch.optim.lr_scheduler.LRScheduler, tree: Any) -> list[str]:
+    """A different scheduler class, or a different number of parameter groups."""
+    if not isinstance(tree, Mapping):
+        return ["not a scheduler state dict"]
+    current = live.state_dict()
+    missing = sorted(map(str, current.keys() - tree.keys()))
+    unexpected = sorted(map(str, tree.keys() - current.keys()))
+    # Keys come and go between torch versions; both at once means another scheduler class.
+    if missing and unexpected:
+        return [f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"]
+    return [
+        f"{key}: {len(tree[key])} stored, {len(value)} live"
+        for key, value in current.items()
+        if key in ("base_lrs", "_last_lr")
+        and isinstance(value, list)
+        and isinstance(tree.get(key), list | tuple)
+        and len(tree[key]) != len(value)
+    ]
+
+
+def _check_fits(name: str, target: Any, tree: Any) -> None:
+    """Raise RestoreMismatchError unless ``tree`` fits the live ``target``; changes nothing.
+
+    Modules: tensor names, shapes, dtypes. Optimizers: groups, parameters per group,
+    state shapes and dtypes. Schedulers and GradScaler: their keys. Generators,
+    tensors and objects with ``check_state_dict``: see ``stateful.check_state``.
+    """
+    live = unwrap(target)
+    problems: list[str] = []
+    if isinstance(live, torch.nn.Module):
+        problems = _module_problems(live, tree)
+    elif isinstance(live, torch.optim.Optimizer):
+        problems = _optimizer_problems(live, tree)
+    elif isinstance(live, torch.optim.lr_scheduler.LRScheduler):
+        problems = _scheduler_problems(live, tree)
+    elif isinstance(live, torch.amp.GradScaler):
+        problems = layout_problems(live.state_dict(), tree)
     if problems:
         raise RestoreMismatchError(
             f"component {name!r} does not fit its target: {'; '.join(problems[:8])}"
         )
+    check_state(live, tree, name)
+
+
+def _clone_tree(tree: Any) -> Any:
+    """A copy of a state tree owning all its data: tensors cloned to CPU (aliases kept
+    aliased, so a backup of a CUDA model costs host memory, not device memory)."""
+    clones: dict[int, torch.Tensor] = {}
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in clones:
+                clones[id(value)] = value.detach().to("cpu", copy=True)
+            return clones[id(value)]
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        if isinstance(value, dict):
+            result = type(value)((k, visit(v)) for k, v in value.items())
+            if hasattr(value, "_metadata"):
+                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+            return result
+        if isinstance(value, list):
+            return [visit(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(visit(v) for v in value)
+        return copy.deepcopy(value)
+
+    return visit(tree)
 
 
 def _backup(target: Any) -> Any:
-    """A deep copy of a target's current state, to roll back a failed restore."""
-    state = component_state(target, "backup")
-    return copy.deepcopy(state)
+    """A copy of a target's current state that owns its data, to roll back a failed restore."""
+    return _clone_tree(component_state(target, "backup"))
+
+
+def _roll_back(targets: Mapping[str, Any], backups: Mapping[str, Any], names: list[str]) -> None:
+    """Put every named target back to its backup; raise CheckpointError if any refuses."""
+    failures: list[str] = []
+    for name in names:
+        try:
+            load_component(targets[name], backups[name])
+        except Exception as exc:
+            failures.append(f"{name!r} ({exc})")
+    if failures:
+        raise CheckpointError(
+            f"restore failed and rolling back also failed for {', '.join(failures)}: "
+            "those objects may hold a mix of old and restored state"
+        )
+
+
+class RestoreInfo(CheckpointInfo, frozen=True):
+    """What ``restore`` returns: the checkpoint's ``CheckpointInfo`` plus what it did.
+
+    ``restored``: components loaded into targets. With ``strict=False``,
+    ``skipped_targets`` are targets the checkpoint has no component for (left
+    unchanged) and ``skipped_components`` are components no target took.
+    """
+
+    restored: tuple[str, ...] = ()
+    skipped_targets: tuple[str, ...] = ()
+    skipped_components: tuple[str, ...] = ()
 
 
 def restore(
@@ -234,12 +395,18 @@ def restore(
     *,
     storage_options: Mapping[str, Any] | None = None,
     strict: bool = True,
-) -> CheckpointInfo:
+) -> RestoreInfo:
     """Load a checkpoint and ``load_state_dict`` it into the live ``targets``, all or nothing.
 
-    Everything is read and checked before any target changes; if a target still
-    rejects its state, the targets already restored are rolled back. With
-    ``strict``, every target needs a component and every component a target.
+    With ``strict`` (the default), every target needs a component and every
+    component a target, else RestoreMismatchError names the missing and
+    unexpected ones. With ``strict=False`` only the names both sides have are
+    restored; the rest is listed in the returned ``RestoreInfo`` and logged as a
+    warning on the ``checkpointd`` logger. Either way, every component is read,
+    verified and checked against its live target (module tensors, optimizer
+    groups and state, generator layouts...) before any target changes; if a
+    target still rejects its state, every target is put back as it was and
+    RestoreMismatchError is raised. Blocking; call from the training thread.
     """
     store = open_store(str(root), storage_options)
     try:
@@ -247,31 +414,47 @@ def restore(
     finally:
         store.close()
     names = [n for n in targets if n in manifest.components]
-    if strict:
-        missing = sorted(set(targets) - set(manifest.components))
-        unexpected = sorted(set(manifest.components) - set(targets))
-        if missing or unexpected:
-            raise RestoreMismatchError(
-                f"step {found_step}: targets without a component: {missing or 'none'}; "
-                f"components without a target: {unexpected or 'none'} "
-                "(pass strict=False to restore the intersection)"
-            )
+    missing = tuple(n for n in targets if n not in manifest.components)
+    unexpected = tuple(n for n in manifest.components if n not in targets)
+    if strict and (missing or unexpected):
+        raise RestoreMismatchError(
+            f"step {found_step}: targets without a component: {list(missing) or 'none'}; "
+            f"components without a target: {list(unexpected) or 'none'} "
+            "(pass strict=False to restore the intersection)"
+        )
     for name in names:
         check_restorable(targets[name], name)
     checkpoint = load(root, found_step, components=names, storage_options=storage_options)
     for name in names:
         _check_fits(name, targets[name], checkpoint.state[name])
     backups = {name: _backup(targets[name]) for name in names}
-    restored: list[str] = []
+    touched: list[str] = []
     try:
         for name in names:
+            # The target is touched before load_state_dict returns: a module copies
+            # tensors one by one and may raise half way.
+            touched.append(name)
             load_component(targets[name], checkpoint.state[name])
-            restored.append(name)
     except Exception as exc:
-        # The failing target may be half-loaded too (Module.load_state_dict copies before raising).
-        for undo in [*restored, name]:
-            load_component(targets[undo], backups[undo])
+        _roll_back(targets, backups, touched)
         raise RestoreMismatchError(
-            f"component {name!r} was rejected by its target ({exc}); nothing was changed"
+            f"component {touched[-1]!r} was rejected by its target ({exc}); nothing was changed"
         ) from exc
-    return checkpoint.info
+    except BaseException:
+        _roll_back(targets, backups, touched)
+        raise
+    if missing or unexpected:
+        _log.warning(
+            "restore(strict=False) from step %d skipped targets without a component %s and "
+            "components without a target %s",
+            found_step,
+            list(missing),
+            list(unexpected),
+        )
+    info = checkpoint.info
+    return RestoreInfo(
+        **{f: getattr(info, f) for f in info.__struct_fields__},
+        restored=tuple(names),
+        skipped_targets=missing,
+        skipped_components=unexpected,
+    )

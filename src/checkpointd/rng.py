@@ -3,68 +3,139 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from checkpointd.errors import RestoreMismatchError
+from checkpointd.stateful import layout_problems, python_random_state, python_random_tuple
 
 __all__ = ["RNGState"]
 
+_DOMAINS = ("python", "numpy", "torch", "cuda")
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 class RNGState:
-    """Captures and restores Python ``random``, NumPy's global generator, torch's CPU
-    generator and every CUDA device's generator. Pass it as a component:
-    ``writer.save(step, {"rng": RNGState(), ...})``. Call from the training thread."""
+    """Captures and restores the process-wide generators: Python ``random``, NumPy's global
+    generator (``np.random.*``), torch's CPU generator and every CUDA device's generator.
+
+    Pass it as a component: ``writer.save(step, {"rng": RNGState(), ...})``. It holds
+    no state itself: ``state_dict()`` reads the generators, ``load_state_dict()`` sets
+    them. Generators the job owns (a DataLoader's ``torch.Generator``, a
+    ``np.random.default_rng()``, a ``random.Random``) are separate components.
+    Restoring refuses an incomplete payload and device drift (CUDA then but not
+    now, or a different device count) with RestoreMismatchError, before any
+    generator changes. Call from the training thread.
+    """
 
     def state_dict(self) -> dict[str, Any]:
-        """The current state of every domain, as plain values and tensors (no pickle)."""
-        version, internal, gauss = random.getstate()
+        """The current state of every domain, as plain values and uint8/uint32 tensors."""
         np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-        state: dict[str, Any] = {
-            "python": {"version": version, "state": list(internal), "gauss": gauss},
+        return {
+            "python": python_random_state(random.getstate()),
             "numpy": {
-                "kind": np_kind,
-                "keys": np.asarray(np_keys).copy(),
+                "kind": str(np_kind),
+                "keys": np.asarray(np_keys, dtype=np.uint32).copy(),
                 "pos": int(np_pos),
                 "has_gauss": int(np_has_gauss),
                 "cached_gaussian": float(np_gauss),
             },
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": list(torch.cuda.get_rng_state_all()) if _cuda_count() else [],
         }
-        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore every domain; raise RestoreMismatchError if the payload is incomplete
-        or the CUDA devices differ from when it was saved. Changes nothing on error."""
-        expected = {"python", "numpy", "torch", "cuda"}
-        if not isinstance(state_dict, dict) or set(state_dict) != expected:
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise RestoreMismatchError(f"RNG state must have exactly {sorted(expected)}, got {got}")
-        cuda_states = list(state_dict["cuda"])
-        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if len(cuda_states) != device_count:
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise RestoreMismatchError unless ``load_state_dict`` would take ``state_dict``.
+
+        Checks the domains (no missing or unexpected ones), the CUDA device count
+        and the layout of every domain against this process's generators.
+        Changes nothing.
+        """
+        if not isinstance(state_dict, Mapping):
             raise RestoreMismatchError(
-                f"RNG state was saved with {len(cuda_states)} CUDA device(s), "
-                f"this process has {device_count}"
+                f"RNG state must be a mapping of {list(_DOMAINS)}, got {type(state_dict).__name__}"
             )
-        py = state_dict["python"]
+        missing = sorted(set(_DOMAINS) - set(state_dict))
+        unexpected = sorted(map(str, set(state_dict) - set(_DOMAINS)))
+        if missing or unexpected:
+            raise RestoreMismatchError(
+                f"RNG state is incomplete or unknown: missing domains {missing or 'none'}, "
+                f"unexpected domains {unexpected or 'none'}"
+            )
+        saved = state_dict["cuda"]
+        if not isinstance(saved, list | tuple):
+            raise RestoreMismatchError("RNG state: 'cuda' must be a list of device states")
+        now = _cuda_count()
+        if len(saved) != now:
+            then_text = f"{len(saved)} CUDA device(s)" if saved else "no CUDA device"
+            now_text = f"{now} CUDA device(s)" if now else "no CUDA device available"
+            raise RestoreMismatchError(
+                f"RNG state was saved with {then_text}, this process has {now_text}: the random "
+                "streams cannot continue exactly (run with the same devices, or restore with "
+                "strict=False without the RNG component to resume non-exactly)"
+            )
+        problems = layout_problems(self.state_dict(), state_dict)
+        if problems:
+            raise RestoreMismatchError(f"RNG state does not fit: {'; '.join(problems[:8])}")
+        if state_dict["numpy"]["kind"] != "MT19937":
+            raise RestoreMismatchError(
+                f"RNG state: NumPy generator kind {state_dict['numpy']['kind']!r} is not MT19937"
+            )
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Set every domain from ``state_dict``, all or nothing.
+
+        Raises RestoreMismatchError (see ``check_state_dict``) before changing any
+        generator; if setting one still fails, the ones already set are put back.
+        """
+        self.check_state_dict(state_dict)
+        py = python_random_tuple(state_dict["python"])
         npy = state_dict["numpy"]
-        python_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss"])
         numpy_state = (
-            str(npy["kind"]),
-            np.asarray(npy["keys"], dtype=np.uint32),
+            "MT19937",
+            np.asarray(npy["keys"], dtype=np.uint32).copy(),
             int(npy["pos"]),
             int(npy["has_gauss"]),
             float(npy["cached_gaussian"]),
         )
         torch_state = torch.as_tensor(state_dict["torch"], dtype=torch.uint8).clone()
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states:
-            torch.cuda.set_rng_state_all(
-                [torch.as_tensor(s, dtype=torch.uint8) for s in cuda_states]
+        cuda_states = [torch.as_tensor(s, dtype=torch.uint8).clone() for s in state_dict["cuda"]]
+        before = self.state_dict()
+        done: list[str] = []  # domains already set, to put back if a later one fails
+        try:
+            random.setstate(py)
+            done.append("python")
+            np.random.set_state(numpy_state)
+            done.append("numpy")
+            torch.set_rng_state(torch_state)
+            done.append("torch")
+            if cuda_states:
+                done.append("cuda")  # set device by device: a failure may leave some set
+                torch.cuda.set_rng_state_all(cuda_states)
+        except Exception as exc:
+            self._put_back(before, done)
+            raise RestoreMismatchError(f"RNG state was refused: {exc}") from exc
+        except BaseException:
+            self._put_back(before, done)
+            raise
+
+    @staticmethod
+    def _put_back(state: dict[str, Any], domains: list[str]) -> None:
+        """Set ``domains`` back to ``state``, which this process produced (rollback path)."""
+        if "python" in domains:
+            random.setstate(python_random_tuple(state["python"]))
+        if "numpy" in domains:
+            npy = state["numpy"]
+            np.random.set_state(
+                ("MT19937", npy["keys"], npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
             )
+        if "torch" in domains:
+            torch.set_rng_state(state["torch"])
+        if "cuda" in domains:
+            torch.cuda.set_rng_state_all(state["cuda"])
