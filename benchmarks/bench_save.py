@@ -355,9 +355,9 @@ def ratios(table: Table, peers: tuple[str, ...]) -> list[tuple[str, float, float
     return out
 
 
-def model_state(with_optimizer: bool) -> dict[str, Any]:
+def model_state(with_optimizer: bool, *, layers: int = 12, d: int = 1024) -> dict[str, Any]:
     """The 12-layer d=1024 model (~604 MB), plus its AdamW state (~1.8 GB in all) if asked."""
-    model = transformer()
+    model = transformer(layers, d)
     state: dict[str, Any] = {"model": model}
     if with_optimizer:
         state["optimizer"] = with_adamw(model)

@@ -1,0 +1,37 @@
+"""The benchmark suite's entry point runs end to end in its smallest mode (not a timed test)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run
+
+
+@pytest.mark.timeout(60)
+def test_benchmark_suite_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    assert run.main(["--smoke", "--dir", str(tmp_path), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for section in ("large", "small", "training", "s3", "scaling"):
+        assert section in results, section
+    case = next(iter(results["large"].values()))
+    for name in (
+        "memcpy",
+        "raw",
+        "checkpointd.blocked",
+        "checkpointd.durable",
+        "dcp_async.blocked",
+    ):
+        assert case["series"][name]["median"] > 0, name
+    assert results["small"]["series"]["checkpointd.durable"]["median"] > 0
+    assert results["training"]["step_idle"]["values"]
+    assert results["s3"]["mib_per_s"]["checkpointd 1 file"] > 0
+    assert [r["nbytes"] for r in results["scaling"]["rows"]] == sorted(
+        r["nbytes"] for r in results["scaling"]["rows"]
+    )
+    pngs = {p.name for p in out.glob("*.png")}
+    assert {"large_0.png", "small.png", "training.png", "s3.png", "scaling.png"} <= pngs
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
