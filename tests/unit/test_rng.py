@@ -161,3 +161,25 @@ def test_a_domain_that_fails_to_set_rolls_the_others_back(monkeypatch: pytest.Mo
         checkpointd.RNGState().load_state_dict(payload)
     monkeypatch.undo()
     _assert_states_equal(before, _states())  # Python and NumPy were set, then put back
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_cuda_generator_round_trips(tmp_path: Path) -> None:
+    devices = range(torch.cuda.device_count())
+    torch.cuda.manual_seed_all(7)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    root = str(tmp_path / "ckpt")
+    with checkpointd.CheckpointWriter(root) as writer:
+        state = {"rng": checkpointd.RNGState(), "gen": generator}
+        writer.save(1, state).result(timeout=60)
+
+    def draws() -> list[list[float]]:
+        values = [torch.rand(3, device=f"cuda:{i}").tolist() for i in devices]
+        return [*values, torch.rand(3, device="cuda", generator=generator).tolist()]
+
+    expected = draws()
+    torch.cuda.manual_seed_all(8)
+    generator.manual_seed(9)
+    checkpointd.restore(root, {"rng": checkpointd.RNGState(), "gen": generator})
+    assert draws() == expected
