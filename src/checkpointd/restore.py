@@ -146,7 +146,11 @@ def _move(tree: Any, device: torch.device) -> Any:
                 moved[id(value)] = value.to(device)
             return moved[id(value)]
         if isinstance(value, dict):
-            result = type(value)((k, visit(v)) for k, v in value.items())
+            items = [(k, visit(v)) for k, v in value.items()]
+            try:
+                result = type(value)(items)
+            except TypeError:  # a dict subclass with another constructor (defaultdict)
+                result = dict(items)
             if hasattr(value, "_metadata"):
                 result._metadata = value._metadata  # type: ignore[attr-defined]
             return result
@@ -330,8 +334,8 @@ def _check_fits(name: str, target: Any, tree: Any) -> None:
 
 
 def _clone_tree(tree: Any) -> Any:
-    """A copy of a state tree owning all its data: tensors cloned to CPU (aliases kept
-    aliased, so a backup of a CUDA model costs host memory, not device memory)."""
+    """A copy of a state tree owning all its data: tensors cloned to CPU (each tensor
+    object once), so a backup of a CUDA model costs host memory, not device memory."""
     clones: dict[int, torch.Tensor] = {}
 
     def visit(value: Any) -> Any:
@@ -342,7 +346,11 @@ def _clone_tree(tree: Any) -> Any:
         if isinstance(value, np.ndarray):
             return value.copy()
         if isinstance(value, dict):
-            result = type(value)((k, visit(v)) for k, v in value.items())
+            items = [(k, visit(v)) for k, v in value.items()]
+            try:
+                result = type(value)(items)
+            except TypeError:  # a dict subclass with another constructor (defaultdict)
+                result = dict(items)
             if hasattr(value, "_metadata"):
                 result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
             return result
