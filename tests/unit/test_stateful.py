@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import checkpointd
@@ -69,6 +72,47 @@ def test_wrapped_and_plain_models_restore_into_each_other(
     _restore(memory_root, {"model": wrap_live(live)})
     for key, value in expected.items():
         assert torch.equal(live.state_dict()[key], value), key
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """A gloo process group of one, so a real DistributedDataParallel can be built on CPU."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("process_group")
+def test_ddp_model_restores_into_a_plain_one_and_back(memory_root: Root) -> None:
+    torch.manual_seed(0)
+    saved = nn.Linear(4, 3)
+    expected = _params(saved)
+    ddp = nn.parallel.DistributedDataParallel(saved)
+    assert list(ddp.state_dict()) == ["module.weight", "module.bias"]
+    _save(memory_root, {"model": ddp})
+    plain = nn.Linear(4, 3)
+    _restore(memory_root, {"model": plain})
+    _assert_params(plain, expected)
+
+    _save(memory_root, {"model": plain}, step=2)
+    torch.manual_seed(1)
+    live = nn.Linear(4, 3)
+    _restore(memory_root, {"model": nn.parallel.DistributedDataParallel(live)})
+    _assert_params(live, expected)
+
+
+def _assert_params(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
 
 
 def test_tied_weights_are_restored_tied(memory_root: Root) -> None:
