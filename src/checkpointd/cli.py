@@ -216,7 +216,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  metadata  {json.dumps(info['metadata']) if info['metadata'] else '-'}")
     for name, component in info["components"].items():
         tensors = component["tensors"]
-        print(f"\ncomponent {name}: {len(tensors)} tensors, {_size(component['nbytes'])}")
+        count = f"{len(tensors)} tensor{'' if len(tensors) == 1 else 's'}"
+        print(f"\ncomponent {name}: {count}, {_size(component['nbytes'])}")
         if not tensors:
             continue
         width = max(4, *(len(t["name"]) for t in tensors))
