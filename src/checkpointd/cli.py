@@ -326,7 +326,9 @@ def _verify_file(store: Store, folder: str, entry: FileEntry, progress: Progress
     return None
 
 
-def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], list[str]]:
+def _verify_targets(
+    store: Store, args: argparse.Namespace
+) -> tuple[list[tuple[int, Manifest]], list[str]]:
     """The (step, manifest) pairs to verify, and the manifests that failed to read."""
     from checkpointd import catalog
     from checkpointd.manifest import MANIFEST_NAME, step_dirname
@@ -643,7 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_OLDER_THAN,
         metavar="SECONDS",
-        help=f"leftovers untouched this long count as abandoned (default {DEFAULT_OLDER_THAN:g})",
+        help=(
+            "leftovers untouched this long count as abandoned (default "
+            f"{DEFAULT_OLDER_THAN:g}); a save in progress holds no lease until it commits, "
+            "so use small values only when no writer is running"
+        ),
     )
     gc.set_defaults(handler=_cmd_gc)
 
