@@ -395,6 +395,9 @@ class FsspecStore(Store):
     The manifest is created with ``If-None-Match: *`` where the store supports it.
     """
 
+    block_size: int = 64 * 2**20
+    """Bytes per upload part (S3: at least 5 MiB)."""
+
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         import fsspec
 
@@ -403,7 +406,6 @@ class FsspecStore(Store):
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self.fs: Any = fs
         self.root: str = root.rstrip("/")
-        self.block_size: int = 64 * 2**20
 
     def _abs(self, path: str) -> str:
         return self.root if path == "" else f"{self.root}/{check_relpath(path)}"
