@@ -97,10 +97,16 @@ def small(result: dict[str, Any], out: Path) -> Path:
 
 
 def training(result: dict[str, Any], out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    idle = [v * 1e3 for v in result["step_idle"]["values"]]
-    busy = [v * 1e3 for v in result["step_during_save"]["values"]]
-    ax.boxplot([idle, busy], tick_labels=["no save", "save in flight"], showfliers=False)
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    keys = [
+        ("step_idle", "no save"),
+        ("step_during_save", "checkpointd\nsave"),
+        ("step_during_thread_write", "bare thread\nwrite+fsync"),
+        ("step_during_process_write", "child process\nwrite+fsync"),
+    ]
+    keys = [(k, label) for k, label in keys if result.get(k, {}).get("values")]
+    data = [[v * 1e3 for v in result[k]["values"]] for k, _ in keys]
+    ax.boxplot(data, tick_labels=[label for _, label in keys], showfliers=False)
     ax.set_ylabel("training step (ms)")
     ax.set_title(f"CPU training step times: slowdown {result['slowdown'] * 100:+.1f}% (median)")
     fig.tight_layout()
