@@ -31,6 +31,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from checkpointd.s3upload import ParallelUploadSink
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
 
@@ -395,8 +396,11 @@ class FsspecStore(Store):
     The manifest is created with ``If-None-Match: *`` where the store supports it.
     """
 
-    block_size: int = 64 * 2**20
-    """Bytes per upload part (S3: at least 5 MiB)."""
+    block_size: int = 16 * 2**20
+    """Bytes per upload part (S3: at least 5 MiB; 10,000 parts make the largest file 160 GiB)."""
+
+    parallel_parts: int = 4
+    """S3 parts of one file uploaded at once (also the parts held in memory per file)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         import fsspec
@@ -417,6 +421,11 @@ class FsspecStore(Store):
 
     def open_file(self, path: str) -> FileSink:
         target = self._abs(path)
+        if self._is_s3():
+            sink = ParallelUploadSink(
+                self.fs, target, part_size=self.block_size, max_parallel=self.parallel_parts
+            )
+            return _TranslatingSink(sink, target)
         with translate_errors("create", target):
             handle = self.fs.open(target, "wb", autocommit=False, block_size=self.block_size)
         return _FsspecSink(self, target, handle)
@@ -531,6 +540,25 @@ class FsspecStore(Store):
         with contextlib.suppress(StorageNotFoundError), translate_errors("remove folder", target):
             self.fs.rm(target, recursive=True)
         self.fs.invalidate_cache(target)
+
+
+class _TranslatingSink:
+    """A FileSink whose backend errors leave as StorageError."""
+
+    def __init__(self, sink: FileSink, target: str) -> None:
+        self._sink = sink
+        self._target = target
+
+    def write(self, data: BytesLike) -> None:
+        with translate_errors("upload", self._target):
+            self._sink.write(data)
+
+    def commit(self) -> None:
+        with translate_errors("upload", self._target):
+            self._sink.commit()
+
+    def discard(self) -> None:
+        self._sink.discard()
 
 
 class _FsspecSink:

@@ -1,0 +1,103 @@
+"""Parallel multipart upload of one file to S3, invisible until it is committed.
+
+s3fs's own writer uploads a file's parts one after another; one stream to S3
+(or to an S3-compatible server) is far slower than several. This sink cuts the
+bytes it is given into parts and uploads up to ``max_parallel`` of them at once
+on s3fs's event loop, holding at most that many parts in memory. ``commit``
+completes the multipart upload (a file smaller than one part goes up as one
+PUT); ``discard`` aborts it, so a failed save never leaves an object behind.
+
+Implements storage.FileSink; one thread at a time calls write/commit/discard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from typing import Any
+
+from checkpointd.checksum import BytesLike
+
+__all__ = ["ParallelUploadSink"]
+
+MIN_PART_BYTES = 5 * 2**20
+MAX_PARTS = 10_000
+
+
+class ParallelUploadSink:
+    """Uploads ``target`` on the s3fs file system ``fs`` as parts of ``part_size`` bytes."""
+
+    def __init__(self, fs: Any, target: str, *, part_size: int, max_parallel: int) -> None:
+        if part_size < MIN_PART_BYTES:
+            raise ValueError(f"S3 parts must be at least {MIN_PART_BYTES} bytes")
+        self._fs = fs
+        self._bucket, self._key, _ = fs.split_path(target)
+        self._part_size = part_size
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(max_parallel)
+
+    def _call(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
+        """Run one S3 call on s3fs's event loop; s3fs retries transient errors itself."""
+        coroutine = self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)
+
+    def write(self, data: BytesLike) -> None:
+        """Buffer ``data``; each full part starts uploading (blocks while max_parallel are in flight)."""
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self._part_size - len(self._buffer))
+            self._buffer += view[:take]
+            view = view[take:]
+            if len(self._buffer) == self._part_size:
+                self._send_part()
+
+    def _send_part(self) -> None:
+        if self._upload_id is None:
+            self._upload_id = str(self._call("create_multipart_upload").result()["UploadId"])
+        if len(self._parts) >= MAX_PARTS:
+            raise ValueError(f"file needs more than {MAX_PARTS} parts: raise the part size")
+        for done in self._parts:
+            if done.done() and done.exception() is not None:
+                done.result()  # fail fast: a part already failed for good
+        self._slots.acquire()
+        body, self._buffer = bytes(self._buffer), bytearray()
+        number = len(self._parts) + 1
+        future = self._call("upload_part", UploadId=self._upload_id, PartNumber=number, Body=body)
+        future.add_done_callback(lambda _: self._slots.release())
+        self._parts.append(future)
+
+    def commit(self) -> None:
+        """Upload what is left, wait for every part, then complete: the object appears whole."""
+        if self._upload_id is None:
+            self._call("put_object", Body=bytes(self._buffer)).result()
+            self._buffer = bytearray()
+            return
+        if self._buffer:
+            self._send_part()
+        parts = [
+            {"PartNumber": number, "ETag": future.result()["ETag"]}
+            for number, future in enumerate(self._parts, start=1)
+        ]
+        self._call(
+            "complete_multipart_upload",
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+        ).result()
+        self._upload_id = None
+        self._parts = []
+
+    def discard(self) -> None:
+        """Abort the upload after its in-flight parts settle; nothing becomes visible."""
+        self._buffer = bytearray()
+        for future in self._parts:
+            with contextlib.suppress(Exception):
+                future.result()
+        self._parts = []
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            with contextlib.suppress(Exception):
+                self._call("abort_multipart_upload", UploadId=upload_id).result()
