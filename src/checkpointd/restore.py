@@ -28,7 +28,14 @@ from checkpointd.errors import (
     StorageNotFoundError,
 )
 from checkpointd.format import decode_tree, header_length, parse_safetensors_header
-from checkpointd.manifest import CheckpointInfo, ComponentEntry, FileEntry, Manifest, step_dirname
+from checkpointd.manifest import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    step_dirname,
+)
 from checkpointd.stateful import (
     check_restorable,
     check_state,
@@ -94,6 +101,11 @@ class _Reader:
         try:
             size = self.store.size(path)
         except StorageNotFoundError:
+            if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
+                # Retention (or gc) deleted the checkpoint while we were reading it.
+                raise CheckpointNotFoundError(
+                    f"{self.where} was deleted while it was being loaded; load again"
+                ) from None
             raise CorruptCheckpointError(
                 f"{self.where}/{name}: listed in manifest but missing"
             ) from None

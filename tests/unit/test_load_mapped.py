@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd.catalog import read_manifest
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.restore import _Reader
+from checkpointd.storage import open_store
 
 
 def _save(root: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -45,3 +48,18 @@ def test_mapped_load_detects_a_truncated_file(tmp_path: Path) -> None:
         f.truncate(path.stat().st_size - 4096)
     with pytest.raises(CorruptCheckpointError, match="size"):
         checkpointd.load(str(tmp_path))
+
+
+def test_checkpoint_deleted_while_loading_is_not_found_not_corrupt(tmp_path: Path) -> None:
+    """Retention removing the manifest first means a half-deleted step reads as gone."""
+    root = tmp_path / "ckpt"
+    with checkpointd.CheckpointWriter(str(root)) as writer:
+        writer.save(1, {"m": {"w": torch.ones(10)}}).result(timeout=30)
+    folder = root / "000000000001"
+    store = open_store(str(root))
+    manifest = read_manifest(store, 1)
+    (folder / "manifest.json").unlink()  # as retention does first
+    (folder / "m.safetensors").unlink()
+    reader = _Reader(store, 1, manifest, verify=True)
+    with pytest.raises(checkpointd.CheckpointNotFoundError, match="deleted while"):
+        reader.read("m.safetensors")
