@@ -178,7 +178,7 @@ def test_pickle_sentinel_would_fire(tmp_path: Path) -> None:
 
 # -- fuzzing -----------------------------------------------------------------
 
-_FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _valid_manifest() -> bytes:

@@ -23,7 +23,7 @@ from tests.faults.helpers import check_intact, same
 from tests.support.s3 import MotoS3
 from tests.support.tcp_proxy import Action, FaultProxy
 
-PART = 5 * 2**20  # S3's smallest part: the tensor file below takes three parts
+PART = 5 * 2**20  # S3's smallest part: the tensor file below takes two parts
 
 
 @pytest.fixture
@@ -40,13 +40,13 @@ def proxy(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultPro
 
 
 def _state(step: int) -> dict[str, Any]:
-    return {"model": {"w": torch.full((3 * PART // 4 + 1000,), float(step))}, "meta": {"s": step}}
+    return {"model": {"w": torch.full((PART // 4 + 1000,), float(step))}, "meta": {"s": step}}
 
 
-def _options(moto_s3: MotoS3, proxy: FaultProxy) -> dict[str, Any]:
+def _options(moto_s3: MotoS3, proxy: FaultProxy, attempts: int = 3) -> dict[str, Any]:
     options = moto_s3.storage_options(proxy.endpoint)
     # Bounded retries with backoff (botocore's standard mode) so permanent faults end quickly.
-    options["config_kwargs"] = {"retries": {"max_attempts": 3, "mode": "standard"}}
+    options["config_kwargs"] = {"retries": {"max_attempts": attempts, "mode": "standard"}}
     return options
 
 
@@ -118,17 +118,25 @@ PERMANENT: dict[str, Callable[[int, bytes], Action]] = {
 }
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", list(PERMANENT))
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "500-on-every-part",
+        pytest.param("drop-every-part", marks=pytest.mark.slow),
+        "500-on-every-manifest-put",
+    ],
+)
 def test_permanent_fault_fails_cleanly(moto_s3: MotoS3, proxy: FaultProxy, case: str) -> None:
     bucket, root = _root(moto_s3)
-    options = _options(moto_s3, proxy)
+    options = _options(moto_s3, proxy, attempts=2)
     with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
         writer.save(1, _state(1)).result()
         proxy.fault = PERMANENT[case]
         writer.save(2, _state(2))
         with pytest.raises(StorageError):
             writer.wait()
+        assert proxy.counts["500"] + proxy.counts["drop"] >= 2, "not retried before failing"
         proxy.fault = lambda _n, _seen: "pass"
         # Nothing published, no upload left open; the writer still works.
         direct = moto_s3.storage_options()
@@ -149,6 +157,8 @@ def test_exception_mid_multipart_upload_aborts(
     bucket, root = _root(moto_s3)
     options = moto_s3.storage_options()
     real_open = FsspecStore.open_file
+    client = moto_s3.client()
+    in_flight: list[Any] = []
 
     class Boom(Exception):
         pass
@@ -161,7 +171,8 @@ def test_exception_mid_multipart_upload_aborts(
         written = [0]
 
         def write(data: Any) -> None:
-            if written[0] >= 2 * PART:  # two parts are already uploaded
+            if written[0] >= PART:  # the first part is already uploaded
+                in_flight.extend(client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
                 raise Boom("injected")
             real_write(data)
             written[0] += memoryview(data).nbytes
@@ -175,5 +186,6 @@ def test_exception_mid_multipart_upload_aborts(
         writer.save(2, _state(2))
         with pytest.raises(Boom):
             writer.wait()
+    assert len(in_flight) == 1, "the failure did not come in the middle of a multipart upload"
     assert checkpointd.list_checkpoints(root, storage_options=options) == []
     assert moto_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

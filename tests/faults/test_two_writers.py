@@ -81,4 +81,4 @@ def test_two_writers_local(local_root: Root) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_writers_s3(s3_root: Root) -> None:
-    _race(s3_root, rounds=6)
+    _race(s3_root, rounds=4)
