@@ -52,7 +52,7 @@ def _soak(root: Root, saves: int) -> dict[str, Any]:
             infos = checkpointd.list_checkpoints(root.url, storage_options=root.storage_options)
             assert [i.step for i in infos] == list(range(max(1, step - 2), step + 1))
             max_bytes = max(max_bytes, sum(i.nbytes for i in infos))
-            if step == WARMUP:
+            if step == min(WARMUP, saves // 2):
                 baseline = _resources()
         end = _resources()  # while the writer is still open: its threads and files count
     assert baseline is not None
