@@ -50,7 +50,7 @@ def _kill_rounds(root: str, kills: int, seed: int) -> tuple[int, int]:
     """Run ``kills`` child lifetimes, each ended by SIGKILL; return (kills, last step)."""
     rng = random.Random(seed)
     last_reported = 0
-    for _ in range(kills):
+    for lifetime in range(kills):
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, root],
             cwd=REPO,
@@ -59,11 +59,14 @@ def _kill_rounds(root: str, kills: int, seed: int) -> tuple[int, int]:
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
+        first: list[str] = []
+        if lifetime == 0:  # at least one save is reported, so the checks below have teeth
+            first.append(child.stdout.readline())
         time.sleep(rng.uniform(0.0, 0.8))
         os.kill(child.pid, signal.SIGKILL)
         out, _ = child.communicate(timeout=30)
         assert child.returncode == -signal.SIGKILL
-        reported = [int(line) for line in out.split()]
+        reported = [int(line) for line in (*first, *out.split()) if line.strip()]
         if reported:
             last_reported = max(last_reported, reported[-1])
         steps = [i.step for i in checkpointd.list_checkpoints(root)]
