@@ -11,7 +11,7 @@ import concurrent.futures
 import copy
 import logging
 import mmap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,15 +171,21 @@ class _Reader:
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
 
 
-def _move(tree: Any, device: torch.device) -> Any:
-    """Move every tensor of a tree to ``device``, keeping aliased tensors aliased."""
-    moved: dict[int, torch.Tensor] = {}
+def _map_tree(
+    tree: Any,
+    on_tensor: Callable[[torch.Tensor], torch.Tensor],
+    on_leaf: Callable[[Any], Any] = lambda value: value,
+) -> Any:
+    """Rebuild a state tree with ``on_tensor`` applied once per distinct tensor object
+    (aliased tensors stay aliased) and ``on_leaf`` to every other leaf. Containers
+    keep their types where they can, and a module state dict its ``_metadata``."""
+    done: dict[int, torch.Tensor] = {}
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if id(value) not in moved:
-                moved[id(value)] = value.to(device)
-            return moved[id(value)]
+            if id(value) not in done:
+                done[id(value)] = on_tensor(value)
+            return done[id(value)]
         if isinstance(value, dict):
             items = [(k, visit(v)) for k, v in value.items()]
             try:
@@ -187,15 +193,20 @@ def _move(tree: Any, device: torch.device) -> Any:
             except TypeError:  # a dict subclass with another constructor (defaultdict)
                 result = dict(items)
             if hasattr(value, "_metadata"):
-                result._metadata = value._metadata  # type: ignore[attr-defined]
+                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
             return result
         if isinstance(value, list):
             return [visit(v) for v in value]
         if isinstance(value, tuple):
             return tuple(visit(v) for v in value)
-        return value
+        return on_leaf(value)
 
     return visit(tree)
+
+
+def _move(tree: Any, device: torch.device) -> Any:
+    """Move every tensor of a tree to ``device``, keeping aliased tensors aliased."""
+    return _map_tree(tree, lambda tensor: tensor.to(device))
 
 
 def load(
@@ -371,31 +382,11 @@ def _check_fits(name: str, target: Any, tree: Any) -> None:
 def _clone_tree(tree: Any) -> Any:
     """A copy of a state tree owning all its data: tensors cloned to CPU (each tensor
     object once), so a backup of a CUDA model costs host memory, not device memory."""
-    clones: dict[int, torch.Tensor] = {}
 
-    def visit(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if id(value) not in clones:
-                clones[id(value)] = value.detach().to("cpu", copy=True)
-            return clones[id(value)]
-        if isinstance(value, np.ndarray):
-            return value.copy()
-        if isinstance(value, dict):
-            items = [(k, visit(v)) for k, v in value.items()]
-            try:
-                result = type(value)(items)
-            except TypeError:  # a dict subclass with another constructor (defaultdict)
-                result = dict(items)
-            if hasattr(value, "_metadata"):
-                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
-            return result
-        if isinstance(value, list):
-            return [visit(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(visit(v) for v in value)
-        return copy.deepcopy(value)
+    def copy_leaf(value: Any) -> Any:
+        return value.copy() if isinstance(value, np.ndarray) else copy.deepcopy(value)
 
-    return visit(tree)
+    return _map_tree(tree, lambda tensor: tensor.detach().to("cpu", copy=True), copy_leaf)
 
 
 def _backup(target: Any) -> Any:

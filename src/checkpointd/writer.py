@@ -227,20 +227,27 @@ class _WriteService:
 
 
 class _WriterBase:
-    """What both front ends share: options, validation, pending handles, error surfacing."""
+    """What both front ends share: options, validation, pending handles, error surfacing.
+
+    Options: ``root`` is a local path or fsspec URL (``storage_options`` reach it);
+    ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
+    the retention rules (see RetentionPolicy); ``max_pending`` snapshots may exist
+    at once (each one staging buffer, reused); ``max_concurrency`` files of a save
+    are written at once.
+    """
 
     def __init__(
         self,
         root: str,
         *,
-        storage_options: Mapping[str, Any] | None,
-        keep_last: int | None,
-        keep_every: int | None,
-        keep_best: int | None,
-        best_metric: str | None,
-        best_mode: Literal["min", "max"],
-        max_pending: int,
-        max_concurrency: int,
+        storage_options: Mapping[str, Any] | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
+        max_pending: int = 1,
+        max_concurrency: int = 4,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -251,6 +258,10 @@ class _WriterBase:
         self._service = _WriteService(self._store, self.policy, max_pending, max_concurrency)
         self._pending: list[SaveHandle] = []
         self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Start the write service where the front end runs it; last step of __init__."""
 
     def _before_save(self, step: int) -> None:
         """Checks on the caller thread, before anything is captured."""
@@ -343,30 +354,8 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
     called from one training thread; handles may be waited on from any thread.
     """
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        max_pending: int = 1,
-        max_concurrency: int = 4,
-    ) -> None:
-        super().__init__(
-            root,
-            storage_options=storage_options,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            best_metric=best_metric,
-            best_mode=best_mode,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-        )
+    def _start(self) -> None:
+        """Run the service on an event loop in a thread of its own."""
         self._portal_cm = start_blocking_portal(backend="asyncio")
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         try:
@@ -451,31 +440,7 @@ class AsyncCheckpointWriter(_WriterBase):
     and its blocking I/O in worker threads. Call ``save``/``wait`` from that loop.
     """
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: Literal["min", "max"] = "min",
-        max_pending: int = 1,
-        max_concurrency: int = 4,
-    ) -> None:
-        super().__init__(
-            root,
-            storage_options=storage_options,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            best_metric=best_metric,
-            best_mode=best_mode,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-        )
-        self._group: TaskGroup | None = None
+    _group: TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncCheckpointWriter:
         if self._group is not None or self._closed:

@@ -261,3 +261,20 @@ def test_unclosed_writer_reports_an_unseen_failure_at_exit(tmp_path: Path) -> No
     )
     assert "checkpointd: unclosed writer" in done.stderr
     assert "Not a directory" in done.stderr
+
+
+def test_load_components_subset_and_map_location(tmp_path: Path) -> None:
+    shared = torch.randn(8, 8)
+    state = {"a": {"x": shared, "y": shared}, "b": {"z": torch.ones(2)}}
+    with CheckpointWriter(str(tmp_path)) as writer:
+        writer.save(5, state).result(timeout=30)
+    loaded = checkpointd.load(str(tmp_path), components=["a"], map_location="cpu")
+    assert list(loaded.state) == ["a"]
+    assert loaded.state["a"]["x"] is loaded.state["a"]["y"]  # still tied after the move
+    assert torch.equal(loaded.state["a"]["x"], shared)
+    with pytest.raises(checkpointd.CheckpointNotFoundError, match="no component 'c'"):
+        checkpointd.load(str(tmp_path), components=["c"])
+    with pytest.raises(checkpointd.CheckpointNotFoundError, match="step 6"):
+        checkpointd.load(str(tmp_path), 6)
+    with pytest.raises(checkpointd.CheckpointNotFoundError, match="no committed checkpoint"):
+        checkpointd.load(str(tmp_path / "empty"))
