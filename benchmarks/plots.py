@@ -13,6 +13,14 @@ import matplotlib.pyplot as plt
 CONTENDERS = ("checkpointd", "torch.save", "safetensors", "dcp", "dcp_async")
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write and close a figure; return where it went."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _median(series: dict[str, Any], name: str) -> float:
     value = series.get(name, {}).get("median")
     return float("nan") if value is None else float(value)
@@ -69,11 +77,7 @@ def large(results: dict[str, Any], out: Path) -> list[Path]:
             ax.legend(fontsize=8)
         ax.set_title("peak extra RSS of a save (GB)", fontsize=10)
         fig.suptitle(f"{label}: median of interleaved repetitions, bars = min..max")
-        fig.tight_layout()
-        path = out / f"large_{index}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out / f"large_{index}.png"))
     return paths
 
 
@@ -89,11 +93,7 @@ def small(result: dict[str, Any], out: Path) -> Path:
     )
     ax.set_ylabel("seconds")
     ax.set_title(f"{result['count']} tensors of 1-64 KB ({result['nbytes'] / 1e9:.2f} GB)")
-    fig.tight_layout()
-    path = out / "small.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "small.png")
 
 
 def training(result: dict[str, Any], out: Path) -> Path:
@@ -109,11 +109,7 @@ def training(result: dict[str, Any], out: Path) -> Path:
     ax.boxplot(data, tick_labels=[label for _, label in keys], showfliers=False)
     ax.set_ylabel("training step (ms)")
     ax.set_title(f"CPU training step times: slowdown {result['slowdown'] * 100:+.1f}% (median)")
-    fig.tight_layout()
-    path = out / "training.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "training.png")
 
 
 def s3(result: dict[str, Any], out: Path) -> Path:
@@ -123,11 +119,7 @@ def s3(result: dict[str, Any], out: Path) -> Path:
     ax.barh(names, [result["mib_per_s"][n] for n in names], color=colors)
     ax.set_xlabel("MiB/s to moto (median)")
     ax.set_title(f"S3 (moto server on 127.0.0.1), {result['nbytes'] / 2**20:.0f} MiB")
-    fig.tight_layout()
-    path = out / "s3.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "s3.png")
 
 
 def scaling(result: dict[str, Any], out: Path) -> Path:
@@ -147,11 +139,7 @@ def scaling(result: dict[str, Any], out: Path) -> Path:
     ax.set_ylabel("seconds")
     ax.set_title("scaling (log-log; slope 1 = linear)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "scaling.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "scaling.png")
 
 
 def all_plots(results: dict[str, Any], out: Path) -> list[Path]:
