@@ -13,6 +13,7 @@ is raised again by ``wait()``, by the next ``save()``, and when the writer close
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -233,7 +234,9 @@ class _WriterBase:
     ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
     the retention rules (see RetentionPolicy); ``max_pending`` snapshots may exist
     at once (each one staging buffer, reused); ``max_concurrency`` files of a save
-    are written at once.
+    are written at once; ``background_niceness`` (Linux, CheckpointWriter only)
+    lowers the CPU priority of the writer's threads, so training steps keep the
+    cores while a save is in flight and the save takes longer.
     """
 
     def __init__(
@@ -248,10 +251,18 @@ class _WriterBase:
         best_mode: Literal["min", "max"] = "min",
         max_pending: int = 1,
         max_concurrency: int = 4,
+        background_niceness: int = 0,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, not {value!r}")
+        if isinstance(background_niceness, bool) or background_niceness not in range(20):
+            raise ValueError(
+                f"background_niceness must be an int from 0 to 19, not {background_niceness!r}"
+            )
+        if background_niceness and not sys.platform.startswith("linux"):
+            raise ValueError("background_niceness needs Linux (per-thread priorities)")
+        self.background_niceness = background_niceness
         self.root = str(root)
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
         self._store = open_store(self.root, storage_options)
@@ -347,6 +358,11 @@ def _register_exit_hook() -> None:
         _exit_hook_registered = True
 
 
+def _lower_thread_priority(niceness: int) -> None:
+    """Set the calling thread's niceness (Linux: PRIO_PROCESS with a thread id is per thread)."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+
+
 class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
     """Saves checkpoints in the background from synchronous training code.
 
@@ -359,6 +375,9 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
         self._portal_cm = start_blocking_portal(backend="asyncio")
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         try:
+            if self.background_niceness:
+                # Worker threads are spawned by the loop's thread and inherit its niceness.
+                self._portal.call(_lower_thread_priority, self.background_niceness)
             self._service_done, _ = self._portal.start_task(self._service.run)
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
@@ -443,6 +462,10 @@ class AsyncCheckpointWriter(_WriterBase):
     _group: TaskGroup | None = None
 
     async def __aenter__(self) -> AsyncCheckpointWriter:
+        if self.background_niceness:
+            raise ValueError(
+                "background_niceness is for CheckpointWriter: these threads are your loop's"
+            )
         if self._group is not None or self._closed:
             raise WriterClosedError("an AsyncCheckpointWriter can be entered once")
         group = anyio.create_task_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,33 @@ def test_load_components_subset_and_map_location(tmp_path: Path) -> None:
         checkpointd.load(str(tmp_path), 6)
     with pytest.raises(checkpointd.CheckpointNotFoundError, match="no committed checkpoint"):
         checkpointd.load(str(tmp_path / "empty"))
+
+
+def _thread_niceness() -> dict[int, int]:
+    """Niceness of every thread of this process, from /proc (field 19 of stat)."""
+    result = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        result[int(tid)] = int(fields[16])
+    return result
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
+def test_background_niceness_lowers_only_the_writers_threads(tmp_path: Path) -> None:
+    import anyio.to_thread
+
+    with CheckpointWriter(str(tmp_path), background_niceness=7) as writer:
+        writer.save(1, _state()).result(timeout=30)
+        loop_thread = writer._portal.call(threading.get_native_id)
+        worker_thread = writer._portal.call(anyio.to_thread.run_sync, threading.get_native_id)
+        niceness = _thread_niceness()
+    assert niceness[loop_thread] == 7
+    assert niceness[worker_thread] == 7  # spawned by the loop thread, so it inherits
+    assert niceness[threading.get_native_id()] == 0  # the caller keeps its priority
+
+
+@pytest.mark.parametrize("value", [-1, 20, True, 1.5])
+def test_bad_background_niceness_is_refused(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ValueError, match="background_niceness"):
+        CheckpointWriter(str(tmp_path), background_niceness=value)  # type: ignore[arg-type]
