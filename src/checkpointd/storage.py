@@ -428,7 +428,7 @@ class FsspecStore(Store):
             return _TranslatingSink(sink, target)
         with translate_errors("create", target):
             handle = self.fs.open(target, "wb", autocommit=False, block_size=self.block_size)
-        return _FsspecSink(self, target, handle)
+        return _TranslatingSink(_FsspecSink(self, target, handle), target)
 
     def sync_dir(self, path: str) -> None:
         """Object stores make each completed PUT durable on its own."""
@@ -562,21 +562,21 @@ class _TranslatingSink:
 
 
 class _FsspecSink:
+    """An fsspec file opened with autocommit=False; raw backend errors (wrap it)."""
+
     def __init__(self, store: FsspecStore, target: str, handle: Any) -> None:
         self._store = store
         self._target = target
         self._handle = handle
 
     def write(self, data: BytesLike) -> None:
-        with translate_errors("write", self._target):
-            self._handle.write(data)
+        self._handle.write(data)
 
     def commit(self) -> None:
-        with translate_errors("upload", self._target):
-            self._handle.close()
-            commit = getattr(self._handle, "commit", None)
-            if commit is not None and not getattr(self._handle, "autocommit", False):
-                commit()
+        self._handle.close()
+        commit = getattr(self._handle, "commit", None)
+        if commit is not None and not getattr(self._handle, "autocommit", False):
+            commit()
 
     def discard(self) -> None:
         handle = self._handle
