@@ -675,7 +675,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Command = args.handler
     try:
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()  # a closed pipe must surface here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
     except KeyboardInterrupt:
         print("checkpointd: interrupted", file=sys.stderr)
         return 130
@@ -684,6 +688,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"checkpointd {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``checkpointd ls ROOT | head -1``): stop quietly.
+
+    Output is pointed at /dev/null so the interpreter's final flush cannot fail again;
+    the status is the shell's for a process ended by SIGPIPE, as coreutils tools give.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
 
 
 if __name__ == "__main__":
