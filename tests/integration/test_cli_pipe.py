@@ -22,7 +22,8 @@ def test_ls_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as ls:
-        assert ls.stdout is not None and ls.stderr is not None
+        assert ls.stdout is not None
+        assert ls.stderr is not None
         first = ls.stdout.read(1)  # like `head -c1`: read a little, then close our end
         ls.stdout.close()
         stderr = ls.stderr.read().decode()
