@@ -89,37 +89,36 @@ class _Reader:
 
     def __init__(self, store: Store, step: int, manifest: Manifest, verify: bool) -> None:
         self.store = store
+        self.step = step
         self.folder = step_dirname(step)
         self.where = catalog.step_path(store, step)
         self.files: dict[str, FileEntry] = {f.path: f for f in manifest.files}
         self.verify = verify
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole file as a uint8 tensor, after the size and digest checks."""
+        """The whole file as a uint8 tensor, after the size and digest checks.
+
+        A file that disappears at any point of the read (size, open, map or read)
+        is CheckpointNotFoundError if the step's manifest is gone too (retention
+        deletes the manifest first), else CorruptCheckpointError.
+        """
         entry = self.files[name]
         path = f"{self.folder}/{name}"
         try:
             size = self.store.size(path)
+            if size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{self.where}/{name}: size {size} does not match the manifest's {entry.size}"
+                )
+            if isinstance(self.store, LocalStore) and size >= _MAP_MIN_BYTES:
+                data = self._map(path, size)
+                view = data.numpy().data.cast("B")
+            else:
+                data = torch.empty(size, dtype=torch.uint8)
+                view = data.numpy().data.cast("B")
+                self.store.read_into(path, view)
         except StorageNotFoundError:
-            if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
-                # Retention (or gc) deleted the checkpoint while we were reading it.
-                raise CheckpointNotFoundError(
-                    f"{self.where} was deleted while it was being loaded; load again"
-                ) from None
-            raise CorruptCheckpointError(
-                f"{self.where}/{name}: listed in manifest but missing"
-            ) from None
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"{self.where}/{name}: size {size} does not match the manifest's {entry.size}"
-            )
-        if isinstance(self.store, LocalStore) and size >= _MAP_MIN_BYTES:
-            data = self._map(path, size)
-            view = data.numpy().data.cast("B")
-        else:
-            data = torch.empty(size, dtype=torch.uint8)
-            view = data.numpy().data.cast("B")
-            self.store.read_into(path, view)
+            raise self._vanished(name) from None
         if self.verify:
             actual = crc32c(view)
             if actual != entry.crc32c:
@@ -128,6 +127,16 @@ class _Reader:
                     f"manifest's {entry.crc32c:08x}"
                 )
         return data
+
+    def _vanished(self, name: str) -> CheckpointError:
+        """The error for a listed file that is not there (any more)."""
+        if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
+            # Retention (or gc) deleted the checkpoint while we were reading it.
+            return CheckpointNotFoundError(
+                f"step {self.step} ({self.where}) was deleted while it was being read; "
+                "load again to get the newest step"
+            )
+        return CorruptCheckpointError(f"{self.where}/{name}: listed in manifest but missing")
 
     def _map(self, path: str, size: int) -> torch.Tensor:
         """A large local file as a uint8 tensor over a private memory map.
