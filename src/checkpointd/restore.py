@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
-import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +43,11 @@ from checkpointd.stateful import (
     load_component,
     unwrap,
 )
-from checkpointd.storage import LocalStore, Store, open_store
+from checkpointd.storage import Store, open_store
 
 __all__ = ["Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"]
 
 _READ_THREADS = 4
-_MAP_MIN_BYTES = 1 << 20
-"""Local files from this size on are memory-mapped rather than read (see _Reader._map)."""
 _log = logging.getLogger("checkpointd")
 
 
@@ -110,13 +107,13 @@ class _Reader:
                 raise CorruptCheckpointError(
                     f"{self.where}/{name}: size {size} does not match the manifest's {entry.size}"
                 )
-            if isinstance(self.store, LocalStore) and size >= _MAP_MIN_BYTES:
-                data = self._map(path, size)
-                view = data.numpy().data.cast("B")
-            else:
-                data = torch.empty(size, dtype=torch.uint8)
-                view = data.numpy().data.cast("B")
-                self.store.read_into(path, view)
+            # Read, never mapped: a tensor over a file map would pin a deleted
+            # checkpoint's disk space for as long as any object keeps it (an
+            # optimizer keeps its state tensors), and on NFS fault with SIGBUS.
+            # Measured: no slower than the map for a 600 MB checkpoint here.
+            data = torch.empty(size, dtype=torch.uint8)
+            view = data.numpy().data.cast("B")
+            self.store.read_into(path, view)
         except StorageNotFoundError:
             raise self._vanished(name) from None
         if self.verify:
@@ -137,22 +134,6 @@ class _Reader:
                 "load again to get the newest step"
             )
         return CorruptCheckpointError(f"{self.where}/{name}: listed in manifest but missing")
-
-    def _map(self, path: str, size: int) -> torch.Tensor:
-        """A large local file as a uint8 tensor over a private memory map.
-
-        Tensors are views of the page cache: no copy on load and none unless the
-        caller writes to them (copy-on-write). Committed files are never changed
-        in place (a new save writes new files), so the checked bytes stay put.
-        """
-        assert isinstance(self.store, LocalStore)
-        mapped = self.store.map_file(path)
-        if len(mapped) != size:
-            name = path.rpartition("/")[2]
-            raise CorruptCheckpointError(f"{self.where}/{name}: changed size while loading")
-        if self.verify:
-            mapped.madvise(mmap.MADV_WILLNEED)  # start readahead of what the digest reads
-        return torch.frombuffer(mapped, dtype=torch.uint8)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
@@ -229,7 +210,9 @@ def load(
 ) -> Checkpoint:
     """Load the newest committed checkpoint (or ``step``): all components or the named ones.
 
-    Tensors come back on CPU, or on ``map_location``. Raises CheckpointNotFoundError
+    Tensors come back on CPU (in memory the caller owns, never a view of a
+    checkpoint file, so deleting the checkpoint frees its space at once), or on
+    ``map_location``. Raises CheckpointNotFoundError
     if nothing (or not that step, or not that component) is committed, and
     CorruptCheckpointError if a size, digest or header check fails.
     """

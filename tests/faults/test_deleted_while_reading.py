@@ -1,4 +1,4 @@
-"""A checkpoint deleted between the reader's size check and its read (or map).
+"""A checkpoint deleted between the reader's size check and its read.
 
 Retention removes the manifest first, then the folder: a reader that loses a
 file of a step whose manifest is gone too gets CheckpointNotFoundError (the
@@ -51,10 +51,10 @@ def _delete_before_first_data_read(
     return deleted
 
 
-# (backend, tensor elements, patched class and method): 16 floats are read, 2**19 mapped.
+# (backend, tensor elements, patched class and method): a small file and a 2 MiB one.
 CASES = {
     "local-read": ("local", 16, LocalStore, "read_into"),
-    "local-map": ("local", 2**19, LocalStore, "map_file"),
+    "local-large": ("local", 2**19, LocalStore, "read_into"),
     "memory-read": ("memory", 16, FsspecStore, "read_into"),
 }
 
