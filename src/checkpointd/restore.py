@@ -298,14 +298,52 @@ def _param_state_problems(
     return problems
 
 
+_FREE_GROUP_KEYS = frozenset(
+    {"params", "param_names", "initial_lr"}
+    | {"maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+)
+"""Parameter-group keys a checkpoint may lack: not hyper-parameters (``params``,
+``param_names``), added by LR schedulers (``initial_lr``), or flags torch added
+over releases and fills in itself when loading an older state."""
+
+
+def _group_key_problems(
+    kind: str, groups: list[Any] | tuple[Any, ...], live_groups: list[dict[str, Any]]
+) -> list[str]:
+    """The first group whose stored hyper-parameters lack one the live optimizer uses.
+
+    The state dict records no optimizer type, but each group names its algorithm's
+    hyper-parameters (AdamW: betas, eps, amsgrad; SGD: momentum, dampening,
+    nesterov). ``load_state_dict`` replaces the live groups with the stored ones,
+    so a key only the live side has is gone afterwards and ``step()`` fails on it.
+    Keys only the checkpoint has (a newer torch's flags, a scheduler's) are ignored.
+    """
+    for i, (group, live_group) in enumerate(zip(groups, live_groups, strict=True)):
+        if not isinstance(group, Mapping):
+            return [f"group {i}: stored {type(group).__name__}, not a parameter group"]
+        stored, wanted = set(map(str, group)), set(live_group) - _FREE_GROUP_KEYS
+        if missing := sorted(wanted - stored):
+            others = sorted(stored - set(live_group) - _FREE_GROUP_KEYS)
+            instead = f" (it has {others} instead)" if others else ""
+            return [
+                f"group {i}: the checkpoint lacks hyper-parameter(s) {missing} that {kind} "
+                f"uses{instead}; was it saved by another optimizer type?"
+            ]
+    return []
+
+
 def _optimizer_problems(live: torch.optim.Optimizer, tree: Any) -> list[str]:
-    """Group count, parameters per group, and per-parameter state shapes and dtypes."""
+    """Optimizer type (by group hyper-parameter keys), group count, parameters per
+    group, and per-parameter state shapes and dtypes."""
     if not isinstance(tree, Mapping) or not {"state", "param_groups"} <= tree.keys():
         return ["not an optimizer state dict (needs 'state' and 'param_groups')"]
     groups, live_groups = tree["param_groups"], live.param_groups
+    if not isinstance(groups, list | tuple):
+        return [f"param_groups is a {type(groups).__name__}, not a list"]
     if len(groups) != len(live_groups):
         return [f"{len(groups)} parameter group(s) stored, the optimizer has {len(live_groups)}"]
-    problems: list[str] = []
+    if problems := _group_key_problems(type(live).__name__, groups, live_groups):
+        return problems
     params: dict[Any, torch.Tensor] = {}
     for i, (group, live_group) in enumerate(zip(groups, live_groups, strict=True)):
         ids = list(group.get("params", []))
@@ -350,8 +388,8 @@ def _scheduler_problems(live: torch.optim.lr_scheduler.LRScheduler, tree: Any) -
 def _check_fits(name: str, target: Any, tree: Any) -> None:
     """Raise RestoreMismatchError unless ``tree`` fits the live ``target``; changes nothing.
 
-    Modules: tensor names, shapes, dtypes. Optimizers: groups, parameters per group,
-    state shapes and dtypes. Schedulers and GradScaler: their keys. Generators,
+    Modules: tensor names, shapes, dtypes. Optimizers: group hyper-parameter keys
+    (the optimizer type), groups, parameters per group, state shapes and dtypes. Schedulers and GradScaler: their keys. Generators,
     tensors and objects with ``check_state_dict``: see ``stateful.check_state``.
     """
     live = unwrap(target)
