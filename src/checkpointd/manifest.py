@@ -37,6 +37,7 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "step_dirname",
+    "too_deep",
 ]
 
 SCHEMA_VERSION = 1
@@ -111,8 +112,11 @@ def is_safe_name(name: str) -> bool:
     return bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
-def _too_deep(value: Any) -> bool:
-    """True if containers nest more than MAX_JSON_DEPTH levels in ``value``; iterative."""
+def too_deep(value: Any) -> bool:
+    """True if containers nest more than MAX_JSON_DEPTH levels in ``value``.
+
+    Iterative, so safe on any depth; for checking metrics/metadata at save().
+    """
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -130,7 +134,7 @@ def _too_deep(value: Any) -> bool:
 
 def _deep_field(manifest: Manifest) -> str | None:
     """The name of the first free-form field nested deeper than MAX_JSON_DEPTH, if any."""
-    return next((f for f in ("metrics", "metadata") if _too_deep(getattr(manifest, f))), None)
+    return next((f for f in ("metrics", "metadata") if too_deep(getattr(manifest, f))), None)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
