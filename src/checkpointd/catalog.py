@@ -10,10 +10,9 @@ import re
 import warnings
 
 from checkpointd.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    StorageError,
     StorageNotFoundError,
 )
 from checkpointd.manifest import (
@@ -73,7 +72,8 @@ def read_manifest(store: Store, step: int) -> Manifest:
 def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Manifest]]:
     """Every committed step with its manifest, ascending (or newest first).
 
-    A manifest that exists but cannot be read is skipped with a CheckpointWarning.
+    A manifest that exists but cannot be read (damaged, hostile, newer, or a
+    storage error) is skipped with a CheckpointWarning: it costs only its own step.
     """
     found: list[tuple[int, Manifest]] = []
     for step in step_folders(store):
@@ -81,7 +81,7 @@ def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Ma
             found.append((step, read_manifest(store, step)))
         except CheckpointNotFoundError:
             continue
-        except (CorruptCheckpointError, IncompatibleCheckpointError, StorageError) as exc:
+        except CheckpointError as exc:
             warnings.warn(f"skipping step {step}: {exc}", CheckpointWarning, stacklevel=2)
     if newest_first:
         found.reverse()

@@ -15,15 +15,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from checkpointd.checksum import crc32c
-from checkpointd.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from checkpointd.errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    UnsupportedValueError,
+)
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_JSON_DEPTH",
     "SCHEMA_VERSION",
     "CheckpointInfo",
     "ComponentEntry",
@@ -32,13 +37,20 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "step_dirname",
+    "too_deep",
 ]
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "checkpointd"
 MAX_MANIFEST_BYTES = 64 * 2**20
+MAX_JSON_DEPTH = 100
+"""Deepest nesting of containers in ``metrics`` or ``metadata`` (their own dict is level 1).
 
+Far below Python's recursion limit, so whatever later walks them (msgspec,
+json.dumps, copy.deepcopy, a user's code) cannot hit a RecursionError."""
+
+_T = TypeVar("_T")
 _TAIL = re.compile(rb',"manifest_crc32c":"([0-9a-f]{8})"}\n?\Z')
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")
 
@@ -100,8 +112,41 @@ def is_safe_name(name: str) -> bool:
     return bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
+def too_deep(value: Any) -> bool:
+    """True if containers nest more than MAX_JSON_DEPTH levels in ``value``.
+
+    Iterative, so safe on any depth; for checking metrics/metadata at save().
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _deep_field(manifest: Manifest) -> str | None:
+    """The name of the first free-form field nested deeper than MAX_JSON_DEPTH, if any."""
+    return next((f for f in ("metrics", "metadata") if too_deep(getattr(manifest, f))), None)
+
+
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Encode ``manifest`` as JSON with its trailing CRC32C member."""
+    """Encode ``manifest`` as JSON with its trailing CRC32C member.
+
+    Raises UnsupportedValueError for metrics or metadata nested deeper than
+    MAX_JSON_DEPTH, which no reader would accept.
+    """
+    if (field := _deep_field(manifest)) is not None:
+        raise UnsupportedValueError(
+            f"{field} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it to save"
+        )
     body = msgspec.json.encode(manifest)
     return body[:-1] + b',"manifest_crc32c":"%08x"}\n' % crc32c(body)
 
@@ -109,8 +154,9 @@ def encode_manifest(manifest: Manifest) -> bytes:
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     """Check the digest, the schema version and the fields, then return the manifest.
 
-    Raises CorruptCheckpointError for damage and IncompatibleCheckpointError for
-    a newer schema. Never evaluates anything from the payload.
+    Raises CorruptCheckpointError for damage (anything the decoder refuses,
+    JSON nested too deep included) and IncompatibleCheckpointError for a newer
+    schema. Never evaluates anything from the payload.
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too large for a manifest")
@@ -124,10 +170,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         raise CorruptCheckpointError(
             f"{where}: manifest digest mismatch (stored {expected:08x}, computed {actual:08x})"
         )
-    try:
-        version = msgspec.json.decode(body, type=_Version)
-    except msgspec.DecodeError as exc:
-        raise CorruptCheckpointError(f"{where}: not a checkpointd manifest ({exc})") from exc
+    version = _decode(where, lambda: msgspec.json.decode(body, type=_Version))
     if version.format != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: format {version.format!r} is not {FORMAT_NAME!r}")
     if version.schema_version > SCHEMA_VERSION:
@@ -137,18 +180,38 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    try:
-        if version.schema_version == SCHEMA_VERSION:
-            manifest = msgspec.json.decode(body, type=Manifest)
-        else:
-            raw: dict[str, Any] = msgspec.json.decode(body)
-            for v in range(version.schema_version, SCHEMA_VERSION):
-                raw = _MIGRATIONS[v](raw)
-            manifest = msgspec.convert(raw, Manifest)
-    except msgspec.ValidationError as exc:
-        raise CorruptCheckpointError(f"{where}: invalid manifest ({exc})") from exc
+    if version.schema_version == SCHEMA_VERSION:
+        manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
+    else:
+        manifest = _decode(where, lambda: _migrate(body, version.schema_version))
+    if (field := _deep_field(manifest)) is not None:
+        raise CorruptCheckpointError(f"{where}: {field} is nested deeper than {MAX_JSON_DEPTH}")
     _check_consistency(manifest, where)
     return manifest
+
+
+def _decode(where: str, decode: Callable[[], _T]) -> _T:
+    """Run ``decode`` on the untrusted payload; whatever it raises is damage.
+
+    That covers a wrong type, a missing key in a migration, and the
+    RecursionError msgspec raises on JSON nested about 1,000 deep.
+    """
+    try:
+        return decode()
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: JSON nested too deep to decode") from None
+    except msgspec.ValidationError as exc:
+        raise CorruptCheckpointError(f"{where}: invalid manifest ({exc})") from exc
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{where}: not a checkpointd manifest ({exc})") from exc
+
+
+def _migrate(body: bytes, schema_version: int) -> Manifest:
+    """Decode an older schema's manifest and migrate it to the current one."""
+    raw: dict[str, Any] = msgspec.json.decode(body, type=dict[str, Any])
+    for v in range(schema_version, SCHEMA_VERSION):
+        raw = _MIGRATIONS[v](raw)
+    return msgspec.convert(raw, Manifest)
 
 
 def _check_consistency(manifest: Manifest, where: str) -> None:

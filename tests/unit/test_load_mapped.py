@@ -1,7 +1,12 @@
-"""Loading large local files through a private memory map: checked, and never written back."""
+"""Loading large local files: checked, owned by the caller, never written back, never mapped.
+
+(Loads used to map large files; a restored optimizer then kept a deleted
+checkpoint's disk space until the process exited.)"""
 
 from __future__ import annotations
 
+import gc
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ def _save(root: Path) -> tuple[dict[str, torch.Tensor], Path]:
     return state, root / f"{1:012d}" / "model.safetensors"
 
 
-def test_mapped_load_is_exact_and_copy_on_write(tmp_path: Path) -> None:
+def test_large_load_is_exact_and_owned_by_the_caller(tmp_path: Path) -> None:
     state, path = _save(tmp_path)
     before = path.read_bytes()
     loaded = checkpointd.load(str(tmp_path)).state["model"]
@@ -33,7 +38,7 @@ def test_mapped_load_is_exact_and_copy_on_write(tmp_path: Path) -> None:
     assert torch.equal(again["w"], state["w"])
 
 
-def test_mapped_load_detects_a_flipped_byte(tmp_path: Path) -> None:
+def test_large_load_detects_a_flipped_byte(tmp_path: Path) -> None:
     _, path = _save(tmp_path)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -42,7 +47,7 @@ def test_mapped_load_detects_a_flipped_byte(tmp_path: Path) -> None:
         checkpointd.load(str(tmp_path))
 
 
-def test_mapped_load_detects_a_truncated_file(tmp_path: Path) -> None:
+def test_large_load_detects_a_truncated_file(tmp_path: Path) -> None:
     _, path = _save(tmp_path)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 4096)
@@ -63,3 +68,51 @@ def test_checkpoint_deleted_while_loading_is_not_found_not_corrupt(tmp_path: Pat
     reader = _Reader(store, 1, manifest, verify=True)
     with pytest.raises(checkpointd.CheckpointNotFoundError, match="deleted while"):
         reader.read("m.safetensors")
+
+
+def _file_mappings(folder: Path) -> list[str]:
+    """Lines of /proc/self/maps that map a file under ``folder`` (deleted or not)."""
+    prefix = str(folder.resolve())
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if prefix in line]
+
+
+def _trained_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights, 2 MiB of AdamW state: both big
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 512)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+needs_proc_maps = pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)"
+)
+
+
+@needs_proc_maps
+def test_restored_objects_hold_no_view_of_the_checkpoint_files(tmp_path: Path) -> None:
+    """Retention must be able to free a restored checkpoint's disk space at once."""
+    root = tmp_path / "ckpt"
+    model, optimizer = _trained_adamw()
+    with checkpointd.CheckpointWriter(str(root)) as writer:
+        writer.save(1, {"model": model, "opt": optimizer}).result(timeout=60)
+    sizes = [p.stat().st_size for p in (root / f"{1:012d}").glob("*.safetensors")]
+    assert min(sizes) >= 1 << 20, "files too small to exercise the large-file path"
+    fresh, fresh_opt = _trained_adamw()
+    checkpointd.restore(str(root), {"model": fresh, "opt": fresh_opt})
+    shutil.rmtree(root)  # as retention would
+    gc.collect()
+    assert _file_mappings(tmp_path) == []
+    state = fresh_opt.state_dict()["state"][0]
+    assert torch.equal(state["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+@needs_proc_maps
+def test_loaded_tensors_hold_no_view_of_the_checkpoint_files(tmp_path: Path) -> None:
+    state, path = _save(tmp_path)
+    loaded = checkpointd.load(str(tmp_path)).state["model"]
+    shutil.rmtree(path.parent)
+    gc.collect()
+    assert _file_mappings(tmp_path) == []
+    assert torch.equal(loaded["w"], state["w"])
