@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import stat
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from checkpointd.s3 import list_uploads, timestamp
 from checkpointd.s3upload import ParallelUploadSink
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
@@ -394,6 +394,8 @@ class FsspecStore(Store):
     Files go straight to their final keys and become visible on commit (for S3:
     the single PUT or the completed multipart upload); discard aborts the upload.
     The manifest is created with ``If-None-Match: *`` where the store supports it.
+    Every existence, size and time check asks the object itself, never a cached
+    listing: those checks guard deletions and commits.
     """
 
     block_size: int = 16 * 2**20
@@ -418,6 +420,13 @@ class FsspecStore(Store):
         target = self._abs(path)
         with translate_errors("create folder", target):
             self.fs.makedirs(target, exist_ok=True)
+
+    def _info(self, target: str) -> dict[str, Any]:
+        """The object's own metadata: s3fs would answer from the last listing otherwise."""
+        if self._is_s3():
+            return dict(self.fs.info(target, refresh=True))
+        self.fs.invalidate_cache(target)
+        return dict(self.fs.info(target))
 
     def open_file(self, path: str) -> FileSink:
         target = self._abs(path)
@@ -462,7 +471,7 @@ class FsspecStore(Store):
     def size(self, path: str) -> int:
         target = self._abs(path)
         with translate_errors("stat", target):
-            info = self.fs.info(target)
+            info = self._info(target)
             if info.get("type") != "file":
                 raise StorageError(errno.EINVAL, f"refusing {target}: not a file")
             return int(info["size"])
@@ -470,8 +479,8 @@ class FsspecStore(Store):
     def modified(self, path: str) -> float | None:
         target = self._abs(path)
         with translate_errors("stat", target):
-            info = self.fs.info(target)
-        return _timestamp(info.get("LastModified", info.get("mtime", info.get("created"))))
+            info = self._info(target)
+        return timestamp(info.get("LastModified", info.get("mtime", info.get("created"))))
 
     def _is_s3(self) -> bool:
         return "s3" in _protocols(self.fs)
@@ -480,35 +489,9 @@ class FsspecStore(Store):
         """Incomplete S3 multipart uploads whose key lies under the root (S3 only)."""
         if not self._is_s3():
             return []
-        bucket, _, prefix = self.root.partition("/")
-        prefix = f"{prefix}/" if prefix else ""
-        found: list[PendingUpload] = []
-        markers: dict[str, str] = {}
         with translate_errors("list uploads", self.url):
-            while True:
-                page = self.fs.call_s3(
-                    "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers
-                )
-                for upload in page.get("Uploads", []) or []:
-                    key, upload_id = upload["Key"], upload["UploadId"]
-                    parts = self.fs.call_s3(
-                        "list_parts", Bucket=bucket, Key=key, UploadId=upload_id
-                    ).get("Parts", [])
-                    times = [_timestamp(upload.get("Initiated"))]
-                    times += [_timestamp(part.get("LastModified")) for part in parts]
-                    found.append(
-                        PendingUpload(
-                            key[len(prefix) :],
-                            upload_id,
-                            max((t for t in times if t is not None), default=time.time()),
-                        )
-                    )
-                if not page.get("IsTruncated"):
-                    return found
-                markers = {
-                    "KeyMarker": page["NextKeyMarker"],
-                    "UploadIdMarker": page["NextUploadIdMarker"],
-                }
+            found = list_uploads(self.fs, self.root)
+        return [PendingUpload(path, upload_id, last) for path, upload_id, last in found]
 
     def abort_upload(self, upload: PendingUpload) -> None:
         bucket, _, prefix = self.root.partition("/")
@@ -537,6 +520,7 @@ class FsspecStore(Store):
 
     def remove_dir(self, path: str) -> None:
         target = self._abs(path)
+        self.fs.invalidate_cache(target)  # rm lists what to delete: list it afresh
         with contextlib.suppress(StorageNotFoundError), translate_errors("remove folder", target):
             self.fs.rm(target, recursive=True)
         self.fs.invalidate_cache(target)
@@ -595,20 +579,6 @@ class _FsspecSink:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
-def _timestamp(value: Any) -> float | None:
-    """Unix seconds from what fsspec/botocore report (datetime, ISO string or number)."""
-    from datetime import datetime
-
-    if isinstance(value, datetime):
-        return value.timestamp()
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return datetime.fromisoformat(value).timestamp()
-    return None
 
 
 def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> Store:

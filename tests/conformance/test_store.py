@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from checkpointd.errors import CheckpointExistsError, StorageError, StorageNotFoundError
@@ -70,6 +72,30 @@ def test_publish_is_exclusive(store: Store) -> None:
     with pytest.raises(CheckpointExistsError):
         store.publish("d/manifest.json", b"second")
     assert store.read_bytes("d/manifest.json") == b"first"
+
+
+@pytest.fixture
+def other(any_root: Root, store: Store) -> Iterator[Store]:
+    """A second client of the same root (its own connection and caches)."""
+    second = open_store(any_root.url, any_root.storage_options)
+    yield second
+    second.close()
+
+
+def test_sees_a_file_another_client_created_after_listing(store: Store, other: Store) -> None:
+    _write(store, "d/old", b"1")
+    assert store.list_dir("d") == ["old"]
+    assert not store.exists("d/new")
+    _write(other, "d/new", b"22")
+    assert store.exists("d/new")
+    assert store.size("d/new") == 2
+    modified = store.modified("d/new")
+    assert modified is None or modified > 0
+    other.remove_file("d/old")
+    assert not store.exists("d/old")
+    with pytest.raises(StorageNotFoundError):
+        store.size("d/old")
+    assert store.list_dir("d") == ["new"]
 
 
 def test_list_dir_shows_direct_children_sorted(store: Store) -> None:

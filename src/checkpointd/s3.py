@@ -1,0 +1,55 @@
+"""What FsspecStore does differently on S3: listing incomplete multipart uploads.
+
+The functions raise s3fs's (translated) errors raw; FsspecStore calls them
+inside storage.translate_errors. Blocking; any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import time
+from typing import Any
+
+from checkpointd.errors import StorageError
+
+__all__ = ["list_uploads", "timestamp"]
+
+
+def list_uploads(fs: Any, root: str) -> list[tuple[str, str, float]]:
+    """(path under ``root``, upload id, last activity) of each incomplete multipart upload."""
+    bucket, _, prefix = root.partition("/")
+    prefix = f"{prefix}/" if prefix else ""
+    found: list[tuple[str, str, float]] = []
+    markers: dict[str, str] = {}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        for upload in page.get("Uploads", []) or []:
+            key, upload_id = upload["Key"], upload["UploadId"]
+            parts = fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=upload_id)
+            times = [timestamp(upload.get("Initiated"))]
+            times += [timestamp(part.get("LastModified")) for part in parts.get("Parts", [])]
+            last = max((t for t in times if t is not None), default=time.time())
+            found.append((key[len(prefix) :], upload_id, last))
+        if not page.get("IsTruncated"):
+            return found
+        markers = {
+            "KeyMarker": page.get("NextKeyMarker") or "",
+            "UploadIdMarker": page.get("NextUploadIdMarker") or "",
+        }
+        if not markers["KeyMarker"]:
+            raise StorageError(errno.EIO, "a truncated upload listing without a next marker")
+
+
+def timestamp(value: Any) -> float | None:
+    """Unix seconds from what fsspec/botocore report (datetime, ISO string or number)."""
+    from datetime import datetime
+
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(value).timestamp()
+    return None
