@@ -1,4 +1,5 @@
-"""What FsspecStore does differently on S3: listing incomplete multipart uploads.
+"""What FsspecStore does differently on S3: the bucket check, and listing
+incomplete multipart uploads.
 
 The functions raise s3fs's (translated) errors raw; FsspecStore calls them
 inside storage.translate_errors. Blocking; any thread.
@@ -11,9 +12,27 @@ import errno
 import time
 from typing import Any
 
-from checkpointd.errors import StorageError
+from checkpointd.errors import StorageError, StorageNotFoundError, StoragePermissionError
 
-__all__ = ["list_uploads", "timestamp"]
+__all__ = ["check_bucket", "list_uploads", "timestamp"]
+
+
+def check_bucket(fs: Any, root: str, url: str) -> None:
+    """Raise unless the bucket of ``root`` exists and is reachable; never creates it."""
+    bucket = root.partition("/")[0]
+    if not bucket:
+        raise StorageError(errno.EINVAL, f"{url}: no bucket in the URL")
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        raise StorageNotFoundError(
+            errno.ENOENT,
+            f"{url}: bucket {bucket!r} does not exist (checkpointd never creates buckets)",
+        ) from None
+    except PermissionError as exc:
+        raise StoragePermissionError(
+            errno.EACCES, f"{url}: access to bucket {bucket!r} denied: {exc}"
+        ) from None
 
 
 def list_uploads(fs: Any, root: str) -> list[tuple[str, str, float]]:

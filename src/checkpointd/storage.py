@@ -30,7 +30,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.s3 import list_uploads, timestamp
+from checkpointd.s3 import check_bucket, list_uploads, timestamp
 from checkpointd.s3upload import ParallelUploadSink
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
@@ -395,7 +395,8 @@ class FsspecStore(Store):
     the single PUT or the completed multipart upload); discard aborts the upload.
     The manifest is created with ``If-None-Match: *`` where the store supports it.
     Every existence, size and time check asks the object itself, never a cached
-    listing: those checks guard deletions and commits.
+    listing: those checks guard deletions and commits. On S3 the bucket must
+    exist (checked on construction); the store never creates one.
     """
 
     block_size: int = 16 * 2**20
@@ -412,12 +413,18 @@ class FsspecStore(Store):
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self.fs: Any = fs
         self.root: str = root.rstrip("/")
+        if self._is_s3():
+            with translate_errors("open", url):
+                check_bucket(fs, self.root, url)
 
     def _abs(self, path: str) -> str:
         return self.root if path == "" else f"{self.root}/{check_relpath(path)}"
 
     def make_dir(self, path: str) -> None:
+        """Folders are implicit on S3, and s3fs's makedirs would create a missing bucket."""
         target = self._abs(path)
+        if self._is_s3():
+            return
         with translate_errors("create folder", target):
             self.fs.makedirs(target, exist_ok=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.errors import StorageError
+from checkpointd.errors import StorageNotFoundError
 from checkpointd.storage import FsspecStore, open_store
 from tests.conftest import Root
 from tests.support.s3 import MotoS3
@@ -56,11 +56,12 @@ def test_small_file_is_one_put(store: FsspecStore, moto_s3: MotoS3, s3_root: Roo
 
 
 def test_backend_errors_are_storage_errors(
-    moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+    s3_root: Root, moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(FsspecStore, "block_size", PART)
-    store = open_store("s3://no-such-bucket-here/run", moto_s3.storage_options())
+    store = open_store(s3_root.url, s3_root.storage_options)
+    moto_s3.client().delete_bucket(Bucket=s3_root.url.removeprefix("s3://").split("/")[0])
     sink = store.open_file("f.bin")
-    with pytest.raises(StorageError, match="upload"):
+    with pytest.raises(StorageNotFoundError, match="upload"):
         sink.write(b"y" * (2 * PART))  # the first full part creates the upload: no bucket
     sink.discard()
