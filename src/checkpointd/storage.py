@@ -31,7 +31,7 @@ from checkpointd.errors import (
     StoragePermissionError,
 )
 from checkpointd.s3 import check_bucket, list_uploads, timestamp
-from checkpointd.s3upload import ParallelUploadSink
+from checkpointd.s3upload import ParallelUploadSink, choose_part_size
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
 
@@ -110,8 +110,12 @@ class Store(ABC):
         """Create folder ``path`` (and parents) durably; no-op where folders are implicit."""
 
     @abstractmethod
-    def open_file(self, path: str) -> FileSink:
-        """Start writing ``path``; nothing is visible there until the sink commits."""
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
+        """Start writing ``path``; nothing is visible there until the sink commits.
+
+        ``size``: the bytes that will be written, where known; stores that cut
+        uploads into parts use it to choose parts that fit (StorageFullError up
+        front if the file cannot fit at all)."""
 
     @abstractmethod
     def sync_dir(self, path: str) -> None:
@@ -207,7 +211,7 @@ class LocalStore(Store):
                     os.mkdir(folder)
                 _fsync_dir(os.path.dirname(folder))
 
-    def open_file(self, path: str) -> FileSink:
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
         return _LocalSink(self._abs(path))
 
     def sync_dir(self, path: str) -> None:
@@ -435,11 +439,12 @@ class FsspecStore(Store):
         self.fs.invalidate_cache(target)
         return dict(self.fs.info(target))
 
-    def open_file(self, path: str) -> FileSink:
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
         target = self._abs(path)
         if self._is_s3():
+            part_size = choose_part_size(size, self.block_size)
             sink = ParallelUploadSink(
-                self.fs, target, part_size=self.block_size, max_parallel=self.parallel_parts
+                self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
             )
             return _TranslatingSink(sink, target)
         with translate_errors("create", target):
