@@ -16,6 +16,8 @@ import os
 import secrets
 import shutil
 import stat
+import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -25,12 +27,19 @@ from checkpointd.checksum import BytesLike
 from checkpointd.directio import DIRECT_MIN_BYTES, write_direct
 from checkpointd.errors import (
     CheckpointExistsError,
+    StorageCapabilityWarning,
     StorageError,
     StorageFullError,
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.s3 import check_bucket, list_uploads, timestamp
+from checkpointd.s3 import (
+    check_bucket,
+    list_uploads,
+    probe_exclusive_create,
+    refused_as_existing,
+    timestamp,
+)
 from checkpointd.s3upload import ParallelUploadSink, choose_part_size
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
@@ -125,7 +134,15 @@ class Store(ABC):
     def publish(self, path: str, data: bytes) -> None:
         """Durably create ``path`` with ``data`` in one atomic step, only if it does not exist.
 
-        Raises CheckpointExistsError if it exists (another writer won)."""
+        Raises CheckpointExistsError if it exists (another writer won). Never
+        overwrites an existing file; exclusive against a concurrent publish only
+        where ``exclusive_create`` is True."""
+
+    @property
+    def exclusive_create(self) -> bool:
+        """True if ``publish`` is an atomic create-if-absent, so two writers racing to
+        publish one path cannot both win. May ask the storage once (then cached)."""
+        return True
 
     @abstractmethod
     def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
@@ -397,7 +414,9 @@ class FsspecStore(Store):
 
     Files go straight to their final keys and become visible on commit (for S3:
     the single PUT or the completed multipart upload); discard aborts the upload.
-    The manifest is created with ``If-None-Match: *`` where the store supports it.
+    The manifest is created with ``If-None-Match: *`` where the store supports it
+    (probed on first use: ``exclusive_create``); elsewhere publish checks before
+    and reads back after its PUT, and warns once (StorageCapabilityWarning).
     Every existence, size and time check asks the object itself, never a cached
     listing: those checks guard deletions and commits. On S3 the bucket must
     exist (checked on construction); the store never creates one.
@@ -417,6 +436,9 @@ class FsspecStore(Store):
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self.fs: Any = fs
         self.root: str = root.rstrip("/")
+        self._lock = threading.Lock()
+        self._exclusive: bool | None = None
+        self._warned = False
         if self._is_s3():
             with translate_errors("open", url):
                 check_bucket(fs, self.root, url)
@@ -454,16 +476,75 @@ class FsspecStore(Store):
     def sync_dir(self, path: str) -> None:
         """Object stores make each completed PUT durable on its own."""
 
+    @property
+    def exclusive_create(self) -> bool:
+        """Probed once per store: does a PUT with ``If-None-Match: *`` refuse an existing key?"""
+        with self._lock:
+            if self._exclusive is None:
+                with translate_errors("probe exclusive create under", self.root):
+                    self._exclusive = probe_exclusive_create(self._put, self.fs.rm_file, self.root)
+            return self._exclusive
+
+    def _put(self, target: str, data: bytes, exclusive: bool) -> None:
+        self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
+
     def publish(self, path: str, data: bytes) -> None:
         target = self._abs(path)
+        exclusive = self.exclusive_create
+        if not exclusive:
+            self._warn_not_exclusive()
         with translate_errors("publish", target):
-            try:
-                self.fs.pipe_file(target, data, mode="create")
-            except FileExistsError:
-                # A retried PUT whose first attempt landed sees its own object: that is success.
-                if self._holds(target, data):
-                    return
-                raise CheckpointExistsError(f"{target} already exists") from None
+            if exclusive:
+                self._publish_exclusive(target, data)
+            else:
+                self._publish_guarded(target, data)
+
+    def _publish_exclusive(self, target: str, data: bytes) -> None:
+        try:
+            self._put(target, data, exclusive=True)
+        except OSError as exc:
+            if not refused_as_existing(exc):
+                raise
+            # A retried PUT whose first attempt landed sees its own object: that is success.
+            if self._holds(target, data):
+                return
+            raise CheckpointExistsError(f"{target} already exists") from None
+
+    def _publish_guarded(self, target: str, data: bytes) -> None:
+        """Publish without If-None-Match: never over an existing file, and only ours after.
+
+        Two writers that both pass the check before either PUT lands can still both
+        succeed (the warning says so); one whose PUT is overwritten raises."""
+        if self._exists_now(target):
+            if self._holds(target, data):
+                return
+            raise CheckpointExistsError(f"{target} already exists")
+        self._put(target, data, exclusive=False)
+        self.fs.invalidate_cache(target)
+        if self.fs.cat_file(target) != data:
+            raise CheckpointExistsError(
+                f"{target}: another writer published it at the same time (this storage "
+                "cannot create exclusively)"
+            )
+
+    def _exists_now(self, target: str) -> bool:
+        try:
+            return self._info(target).get("type") == "file"
+        except FileNotFoundError:
+            return False
+
+    def _warn_not_exclusive(self) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(
+            f"{self.url}: this storage ignores If-None-Match, so publishing a manifest is "
+            "not exclusive: two writers saving the same step at the same moment are not "
+            "excluded (a manifest is still never overwritten)",
+            StorageCapabilityWarning,
+            stacklevel=3,
+        )
 
     def _holds(self, target: str, data: bytes) -> bool:
         try:
