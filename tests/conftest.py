@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.s3 import MotoS3, start_moto
+from tests.support.s3rver import S3rver, S3rverMissing, start_s3rver
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,31 @@ def s3_root(moto_s3: MotoS3) -> Root:
     bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
     moto_s3.create_bucket(bucket)
     return Root(f"s3://{bucket}/run", moto_s3.storage_options(), "s3")
+
+
+@pytest.fixture(scope="session")
+def s3rver() -> Iterator[S3rver]:
+    """One s3rver (a second S3 implementation, without If-None-Match) for the session.
+
+    Skips where s3rver is not installed, except under CI (env CI set), where that fails."""
+    try:
+        server = start_s3rver()
+    except S3rverMissing as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3rver_root(s3rver: S3rver) -> Root:
+    """A fresh bucket on s3rver, as an s3:// root with its storage options."""
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    s3rver.create_bucket(bucket)
+    return Root(f"s3://{bucket}/run", s3rver.storage_options(), "s3rver")
 
 
 @pytest.fixture

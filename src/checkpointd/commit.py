@@ -76,7 +76,7 @@ async def _in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args
 
 def _stream_file(store: Store, path: str, parts: Sequence[BytesLike]) -> tuple[FileSink, FileEntry]:
     """Write ``parts`` to an uncommitted ``path``, digesting as they go. Worker thread."""
-    sink = store.open_file(path)
+    sink = store.open_file(path, size=sum(memoryview(part).nbytes for part in parts))
     try:
         digest = 0
         size = 0

@@ -1,4 +1,6 @@
-"""The exception hierarchy: every error checkpointd raises derives from CheckpointError."""
+"""The exception hierarchy: every error checkpointd raises derives from CheckpointError.
+
+Also the one warning about storage: StorageCapabilityWarning."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "RestoreMismatchError",
+    "StorageCapabilityWarning",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
@@ -64,3 +67,8 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """A file or folder the operation needs does not exist in the storage."""
+
+
+class StorageCapabilityWarning(UserWarning):
+    """The storage lacks a capability the commit protocol relies on (e.g. an exclusive
+    create for the manifest); checkpointd works around it with weaker guarantees."""

@@ -15,23 +15,46 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import threading
 from typing import Any
 
 from checkpointd.checksum import BytesLike
+from checkpointd.errors import StorageFullError
 
-__all__ = ["ParallelUploadSink"]
+__all__ = ["ParallelUploadSink", "choose_part_size"]
 
 MIN_PART_BYTES = 5 * 2**20
+MAX_PART_BYTES = 5 * 2**30
 MAX_PARTS = 10_000
+MAX_OBJECT_BYTES = 5 * 2**40
+"""S3's limits: parts of 5 MiB to 5 GiB (the last may be smaller), 10,000 parts, 5 TiB."""
+
+
+def choose_part_size(size: int | None, preferred: int) -> int:
+    """The part size for a file of ``size`` bytes (None: unknown): ``preferred`` where
+    MAX_PARTS of it hold the file, else the smallest whole MiB that does; always
+    within S3's part limits. StorageFullError (EFBIG) if the file exceeds 5 TiB."""
+    part = min(max(preferred, MIN_PART_BYTES), MAX_PART_BYTES)
+    if size is None:
+        return part
+    if size > MAX_OBJECT_BYTES:
+        raise StorageFullError(
+            errno.EFBIG, f"a {size}-byte file exceeds S3's object size limit of 5 TiB"
+        )
+    needed = -(-size // MAX_PARTS)
+    if needed > part:
+        part = min(-(-needed // 2**20) * 2**20, MAX_PART_BYTES)
+    return part
 
 
 class ParallelUploadSink:
     """Uploads ``target`` on the s3fs file system ``fs`` as parts of ``part_size`` bytes."""
 
     def __init__(self, fs: Any, target: str, *, part_size: int, max_parallel: int) -> None:
-        if part_size < MIN_PART_BYTES:
-            raise ValueError(f"S3 parts must be at least {MIN_PART_BYTES} bytes")
+        """``part_size`` from choose_part_size: the file must fit in MAX_PARTS of it."""
+        if not MIN_PART_BYTES <= part_size <= MAX_PART_BYTES:
+            raise ValueError(f"S3 parts must hold {MIN_PART_BYTES} to {MAX_PART_BYTES} bytes")
         self._fs = fs
         self._bucket, self._key, _ = fs.split_path(target)
         self._part_size = part_size
@@ -56,10 +79,14 @@ class ParallelUploadSink:
                 self._send_part()
 
     def _send_part(self) -> None:
+        if len(self._parts) >= MAX_PARTS:
+            raise StorageFullError(
+                errno.EFBIG,
+                f"file needs more than {MAX_PARTS} parts of {self._part_size} bytes "
+                "(open it with its size so the parts are chosen to fit)",
+            )
         if self._upload_id is None:
             self._upload_id = str(self._call("create_multipart_upload").result()["UploadId"])
-        if len(self._parts) >= MAX_PARTS:
-            raise ValueError(f"file needs more than {MAX_PARTS} parts: raise the part size")
         for done in self._parts:
             if done.done() and done.exception() is not None:
                 done.result()  # fail fast: a part already failed for good

@@ -16,7 +16,8 @@ import os
 import secrets
 import shutil
 import stat
-import time
+import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -26,12 +27,20 @@ from checkpointd.checksum import BytesLike
 from checkpointd.directio import DIRECT_MIN_BYTES, write_direct
 from checkpointd.errors import (
     CheckpointExistsError,
+    StorageCapabilityWarning,
     StorageError,
     StorageFullError,
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.s3upload import ParallelUploadSink
+from checkpointd.s3 import (
+    check_bucket,
+    list_uploads,
+    probe_exclusive_create,
+    refused_as_existing,
+    timestamp,
+)
+from checkpointd.s3upload import ParallelUploadSink, choose_part_size
 
 __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "open_store"]
 
@@ -110,8 +119,12 @@ class Store(ABC):
         """Create folder ``path`` (and parents) durably; no-op where folders are implicit."""
 
     @abstractmethod
-    def open_file(self, path: str) -> FileSink:
-        """Start writing ``path``; nothing is visible there until the sink commits."""
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
+        """Start writing ``path``; nothing is visible there until the sink commits.
+
+        ``size``: the bytes that will be written, where known; stores that cut
+        uploads into parts use it to choose parts that fit (StorageFullError up
+        front if the file cannot fit at all)."""
 
     @abstractmethod
     def sync_dir(self, path: str) -> None:
@@ -121,7 +134,15 @@ class Store(ABC):
     def publish(self, path: str, data: bytes) -> None:
         """Durably create ``path`` with ``data`` in one atomic step, only if it does not exist.
 
-        Raises CheckpointExistsError if it exists (another writer won)."""
+        Raises CheckpointExistsError if it exists (another writer won). Never
+        overwrites an existing file; exclusive against a concurrent publish only
+        where ``exclusive_create`` is True."""
+
+    @property
+    def exclusive_create(self) -> bool:
+        """True if ``publish`` is an atomic create-if-absent, so two writers racing to
+        publish one path cannot both win. May ask the storage once (then cached)."""
+        return True
 
     @abstractmethod
     def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
@@ -207,7 +228,7 @@ class LocalStore(Store):
                     os.mkdir(folder)
                 _fsync_dir(os.path.dirname(folder))
 
-    def open_file(self, path: str) -> FileSink:
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
         return _LocalSink(self._abs(path))
 
     def sync_dir(self, path: str) -> None:
@@ -393,7 +414,12 @@ class FsspecStore(Store):
 
     Files go straight to their final keys and become visible on commit (for S3:
     the single PUT or the completed multipart upload); discard aborts the upload.
-    The manifest is created with ``If-None-Match: *`` where the store supports it.
+    The manifest is created with ``If-None-Match: *`` where the store supports it
+    (probed on first use: ``exclusive_create``); elsewhere publish checks before
+    and reads back after its PUT, and warns once (StorageCapabilityWarning).
+    Every existence, size and time check asks the object itself, never a cached
+    listing: those checks guard deletions and commits. On S3 the bucket must
+    exist (checked on construction); the store never creates one.
     """
 
     block_size: int = 16 * 2**20
@@ -410,20 +436,37 @@ class FsspecStore(Store):
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self.fs: Any = fs
         self.root: str = root.rstrip("/")
+        self._lock = threading.Lock()
+        self._exclusive: bool | None = None
+        self._warned = False
+        if self._is_s3():
+            with translate_errors("open", url):
+                check_bucket(fs, self.root, url)
 
     def _abs(self, path: str) -> str:
         return self.root if path == "" else f"{self.root}/{check_relpath(path)}"
 
     def make_dir(self, path: str) -> None:
+        """Folders are implicit on S3, and s3fs's makedirs would create a missing bucket."""
         target = self._abs(path)
+        if self._is_s3():
+            return
         with translate_errors("create folder", target):
             self.fs.makedirs(target, exist_ok=True)
 
-    def open_file(self, path: str) -> FileSink:
+    def _info(self, target: str) -> dict[str, Any]:
+        """The object's own metadata: s3fs would answer from the last listing otherwise."""
+        if self._is_s3():
+            return dict(self.fs.info(target, refresh=True))
+        self.fs.invalidate_cache(target)
+        return dict(self.fs.info(target))
+
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
         target = self._abs(path)
         if self._is_s3():
+            part_size = choose_part_size(size, self.block_size)
             sink = ParallelUploadSink(
-                self.fs, target, part_size=self.block_size, max_parallel=self.parallel_parts
+                self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
             )
             return _TranslatingSink(sink, target)
         with translate_errors("create", target):
@@ -433,16 +476,75 @@ class FsspecStore(Store):
     def sync_dir(self, path: str) -> None:
         """Object stores make each completed PUT durable on its own."""
 
+    @property
+    def exclusive_create(self) -> bool:
+        """Probed once per store: does a PUT with ``If-None-Match: *`` refuse an existing key?"""
+        with self._lock:
+            if self._exclusive is None:
+                with translate_errors("probe exclusive create under", self.root):
+                    self._exclusive = probe_exclusive_create(self._put, self.fs.rm_file, self.root)
+            return self._exclusive
+
+    def _put(self, target: str, data: bytes, exclusive: bool) -> None:
+        self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
+
     def publish(self, path: str, data: bytes) -> None:
         target = self._abs(path)
+        exclusive = self.exclusive_create
+        if not exclusive:
+            self._warn_not_exclusive()
         with translate_errors("publish", target):
-            try:
-                self.fs.pipe_file(target, data, mode="create")
-            except FileExistsError:
-                # A retried PUT whose first attempt landed sees its own object: that is success.
-                if self._holds(target, data):
-                    return
-                raise CheckpointExistsError(f"{target} already exists") from None
+            if exclusive:
+                self._publish_exclusive(target, data)
+            else:
+                self._publish_guarded(target, data)
+
+    def _publish_exclusive(self, target: str, data: bytes) -> None:
+        try:
+            self._put(target, data, exclusive=True)
+        except OSError as exc:
+            if not refused_as_existing(exc):
+                raise
+            # A retried PUT whose first attempt landed sees its own object: that is success.
+            if self._holds(target, data):
+                return
+            raise CheckpointExistsError(f"{target} already exists") from None
+
+    def _publish_guarded(self, target: str, data: bytes) -> None:
+        """Publish without If-None-Match: never over an existing file, and only ours after.
+
+        Two writers that both pass the check before either PUT lands can still both
+        succeed (the warning says so); one whose PUT is overwritten raises."""
+        if self._exists_now(target):
+            if self._holds(target, data):
+                return
+            raise CheckpointExistsError(f"{target} already exists")
+        self._put(target, data, exclusive=False)
+        self.fs.invalidate_cache(target)
+        if self.fs.cat_file(target) != data:
+            raise CheckpointExistsError(
+                f"{target}: another writer published it at the same time (this storage "
+                "cannot create exclusively)"
+            )
+
+    def _exists_now(self, target: str) -> bool:
+        try:
+            return self._info(target).get("type") == "file"
+        except FileNotFoundError:
+            return False
+
+    def _warn_not_exclusive(self) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(
+            f"{self.url}: this storage ignores If-None-Match, so publishing a manifest is "
+            "not exclusive: two writers saving the same step at the same moment are not "
+            "excluded (a manifest is still never overwritten)",
+            StorageCapabilityWarning,
+            stacklevel=3,
+        )
 
     def _holds(self, target: str, data: bytes) -> bool:
         try:
@@ -462,7 +564,7 @@ class FsspecStore(Store):
     def size(self, path: str) -> int:
         target = self._abs(path)
         with translate_errors("stat", target):
-            info = self.fs.info(target)
+            info = self._info(target)
             if info.get("type") != "file":
                 raise StorageError(errno.EINVAL, f"refusing {target}: not a file")
             return int(info["size"])
@@ -470,8 +572,8 @@ class FsspecStore(Store):
     def modified(self, path: str) -> float | None:
         target = self._abs(path)
         with translate_errors("stat", target):
-            info = self.fs.info(target)
-        return _timestamp(info.get("LastModified", info.get("mtime", info.get("created"))))
+            info = self._info(target)
+        return timestamp(info.get("LastModified", info.get("mtime", info.get("created"))))
 
     def _is_s3(self) -> bool:
         return "s3" in _protocols(self.fs)
@@ -480,35 +582,9 @@ class FsspecStore(Store):
         """Incomplete S3 multipart uploads whose key lies under the root (S3 only)."""
         if not self._is_s3():
             return []
-        bucket, _, prefix = self.root.partition("/")
-        prefix = f"{prefix}/" if prefix else ""
-        found: list[PendingUpload] = []
-        markers: dict[str, str] = {}
         with translate_errors("list uploads", self.url):
-            while True:
-                page = self.fs.call_s3(
-                    "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers
-                )
-                for upload in page.get("Uploads", []) or []:
-                    key, upload_id = upload["Key"], upload["UploadId"]
-                    parts = self.fs.call_s3(
-                        "list_parts", Bucket=bucket, Key=key, UploadId=upload_id
-                    ).get("Parts", [])
-                    times = [_timestamp(upload.get("Initiated"))]
-                    times += [_timestamp(part.get("LastModified")) for part in parts]
-                    found.append(
-                        PendingUpload(
-                            key[len(prefix) :],
-                            upload_id,
-                            max((t for t in times if t is not None), default=time.time()),
-                        )
-                    )
-                if not page.get("IsTruncated"):
-                    return found
-                markers = {
-                    "KeyMarker": page["NextKeyMarker"],
-                    "UploadIdMarker": page["NextUploadIdMarker"],
-                }
+            found = list_uploads(self.fs, self.root)
+        return [PendingUpload(path, upload_id, last) for path, upload_id, last in found]
 
     def abort_upload(self, upload: PendingUpload) -> None:
         bucket, _, prefix = self.root.partition("/")
@@ -537,6 +613,7 @@ class FsspecStore(Store):
 
     def remove_dir(self, path: str) -> None:
         target = self._abs(path)
+        self.fs.invalidate_cache(target)  # rm lists what to delete: list it afresh
         with contextlib.suppress(StorageNotFoundError), translate_errors("remove folder", target):
             self.fs.rm(target, recursive=True)
         self.fs.invalidate_cache(target)
@@ -595,20 +672,6 @@ class _FsspecSink:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
-def _timestamp(value: Any) -> float | None:
-    """Unix seconds from what fsspec/botocore report (datetime, ISO string or number)."""
-    from datetime import datetime
-
-    if isinstance(value, datetime):
-        return value.timestamp()
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return datetime.fromisoformat(value).timestamp()
-    return None
 
 
 def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> Store:

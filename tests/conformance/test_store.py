@@ -1,19 +1,51 @@
-"""One suite every storage backend passes: memory://, local disk, and S3 over HTTP (moto)."""
+"""One suite every storage backend passes: memory://, local disk, and S3 over HTTP
+(moto, and s3rver: an S3 server without If-None-Match).
+
+Capability differences are declared by the store (Store.exclusive_create) and
+checked here: on s3rver the manifest publish is guarded but not exclusive (it
+warns), and incomplete multipart uploads can neither be listed nor aborted there
+(tests/integration/test_s3rver.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
-from checkpointd.errors import CheckpointExistsError, StorageError, StorageNotFoundError
+from checkpointd.errors import (
+    CheckpointExistsError,
+    StorageCapabilityWarning,
+    StorageError,
+    StorageNotFoundError,
+)
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 
+BACKENDS = ["memory", "local", "s3", "s3rver"]
+EXCLUSIVE = {"memory": True, "local": True, "s3": True, "s3rver": False}
+
+
+@pytest.fixture(params=BACKENDS)
+def root(request: pytest.FixtureRequest) -> Root:
+    """Each test runs once per backend, s3rver included."""
+    found: Root = request.getfixturevalue(f"{request.param}_root")
+    return found
+
 
 @pytest.fixture
-def store(any_root: Root) -> Store:
-    store = open_store(any_root.url, any_root.storage_options)
+def store(root: Root) -> Store:
+    store = open_store(root.url, root.storage_options)
     store.make_dir("d")
     return store
+
+
+def _publishing(store: Store) -> contextlib.AbstractContextManager[object]:
+    """Expect the once-per-store warning where publish cannot be exclusive."""
+    if store.exclusive_create:
+        return contextlib.nullcontext()
+    return pytest.warns(StorageCapabilityWarning, match="not exclusive")
 
 
 def _write(store: Store, path: str, *parts: bytes) -> None:
@@ -54,8 +86,8 @@ def test_discard_leaves_no_trace(store: Store) -> None:
     assert store.list_dir("d") == []
 
 
-def test_uncommitted_file_is_invisible_where_the_store_defers(store: Store, any_root: Root) -> None:
-    if any_root.kind == "memory":
+def test_uncommitted_file_is_invisible_where_the_store_defers(store: Store, root: Root) -> None:
+    if root.kind == "memory":
         pytest.skip("memory:// shows keys while they are written; only the manifest commits")
     sink = store.open_file("d/pending.bin")
     sink.write(b"y" * (6 * 2**20))
@@ -66,10 +98,41 @@ def test_uncommitted_file_is_invisible_where_the_store_defers(store: Store, any_
 
 
 def test_publish_is_exclusive(store: Store) -> None:
-    store.publish("d/manifest.json", b"first")
+    with _publishing(store):
+        store.publish("d/manifest.json", b"first")
     with pytest.raises(CheckpointExistsError):
         store.publish("d/manifest.json", b"second")
     assert store.read_bytes("d/manifest.json") == b"first"
+
+
+def test_declared_exclusive_create(store: Store, root: Root) -> None:
+    _write(store, "d/a", b"1")
+    assert store.exclusive_create is EXCLUSIVE[root.kind]
+    assert store.list_dir("") == ["d"], "the capability probe left its key behind"
+
+
+@pytest.fixture
+def other(root: Root, store: Store) -> Iterator[Store]:
+    """A second client of the same root (its own connection and caches)."""
+    second = open_store(root.url, root.storage_options)
+    yield second
+    second.close()
+
+
+def test_sees_a_file_another_client_created_after_listing(store: Store, other: Store) -> None:
+    _write(store, "d/old", b"1")
+    assert store.list_dir("d") == ["old"]
+    assert not store.exists("d/new")
+    _write(other, "d/new", b"22")
+    assert store.exists("d/new")
+    assert store.size("d/new") == 2
+    modified = store.modified("d/new")
+    assert modified is None or modified > 0
+    other.remove_file("d/old")
+    assert not store.exists("d/old")
+    with pytest.raises(StorageNotFoundError):
+        store.size("d/old")
+    assert store.list_dir("d") == ["new"]
 
 
 def test_list_dir_shows_direct_children_sorted(store: Store) -> None:

@@ -163,8 +163,8 @@ def test_exception_mid_multipart_upload_aborts(
     class Boom(Exception):
         pass
 
-    def open_file(self: FsspecStore, path: str) -> Any:
-        sink = real_open(self, path)
+    def open_file(self: FsspecStore, path: str, size: int | None = None) -> Any:
+        sink = real_open(self, path, size=size)
         if not path.endswith(".safetensors"):
             return sink
         real_write = sink.write

@@ -173,9 +173,9 @@ class CrashingStore(Store):
         self._alive()
         self.inner.make_dir(path)
 
-    def open_file(self, path: str) -> FileSink:
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
         self._alive()
-        return self.inner.open_file(path)
+        return self.inner.open_file(path, size)
 
     def sync_dir(self, path: str) -> None:
         self.inner.sync_dir(path)
