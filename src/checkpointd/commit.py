@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,11 +29,12 @@ import anyio.to_thread
 
 from checkpointd import __version__
 from checkpointd.capture import CapturedComponent, StagingBuffer
-from checkpointd.catalog import infos, read_manifest, step_path
+from checkpointd.catalog import committed as committed_manifests
+from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import BytesLike, crc32c
 from checkpointd.cleanup import DEFAULT_OLDER_THAN, remove_leftovers, unreferenced_files
 from checkpointd.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError
+from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from checkpointd.format import encode_safetensors_header, encode_tree
 from checkpointd.manifest import (
     MANIFEST_NAME,
@@ -47,6 +49,7 @@ from checkpointd.manifest import (
 from checkpointd.retention import (
     RetentionPolicy,
     RetentionWarning,
+    WriterIdentity,
     plan_retention,
     unranked_warning,
 )
@@ -111,6 +114,8 @@ async def write_snapshot(
     store: Store,
     snapshot: Snapshot,
     limiter: anyio.CapacityLimiter,
+    *,
+    identity: WriterIdentity | None = None,
 ) -> CheckpointInfo:
     """Write, commit and publish ``snapshot``; return its CheckpointInfo once it is durable.
 
@@ -119,7 +124,8 @@ async def write_snapshot(
     manifest alone decides which attempt is the checkpoint. Raises
     CheckpointExistsError if the step is already committed (before writing
     anything) or another writer publishes it first (after removing this attempt's
-    files); StorageError on I/O failure.
+    files); StorageError on I/O failure. ``identity`` (the writer's) is recorded in
+    the manifest and told of the commit.
     """
     folder = step_dirname(snapshot.step)
     manifest_path = f"{folder}/{MANIFEST_NAME}"
@@ -176,6 +182,7 @@ async def write_snapshot(
             files=sorted(committed, key=lambda f: f.path),
             metrics=snapshot.metrics,
             metadata=snapshot.metadata,
+            writer="" if identity is None else identity.id,
         )
         try:
             await _in_thread(limiter, store.publish, manifest_path, encode_manifest(manifest))
@@ -188,6 +195,8 @@ async def write_snapshot(
         with anyio.CancelScope(shield=True):
             await _in_thread(limiter, _clean_up, store, snapshot.step, streamed, committed)
         raise
+    if identity is not None:
+        identity.note_commit(time.monotonic())
     listed = [f.path for f in manifest.files]
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
         await _in_thread(limiter, _sweep, store, folder, listed)
@@ -253,12 +262,51 @@ def _delete_checkpoint(store: Store, step: int) -> None:
     store.remove_dir(folder)
 
 
+def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
+    """When ``step`` was committed (Unix seconds): its manifest's time where the store
+    keeps one, and never earlier than its save was called. Worker thread."""
+    created = manifest.created_at.timestamp()
+    try:
+        modified = store.modified(f"{step_dirname(step)}/{MANIFEST_NAME}")
+    except StorageError:
+        modified = None
+    return created if modified is None else max(created, modified)
+
+
+def _plan(
+    store: Store, policy: RetentionPolicy, protect: tuple[int, ...], identity: WriterIdentity | None
+) -> tuple[list[int], tuple[int, ...]]:
+    """(steps to delete, unranked steps) for ``policy``, sparing another writer's fresh
+    checkpoints when ``identity`` is given. Worker thread."""
+    found = committed_manifests(store)
+    checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]
+    plan = plan_retention(checkpoints, policy, protect=protect)
+    if identity is not None and plan.delete:
+        manifests = dict(found)
+        foreign = {
+            v.step: _committed_at(store, v.step, manifests[v.step])
+            for v in plan.delete
+            if manifests[v.step].writer != identity.id
+        }
+        if foreign:
+            plan = plan_retention(
+                checkpoints,
+                policy,
+                protect=protect,
+                foreign=foreign,
+                now=time.time(),
+                grace=identity.grace(),
+            )
+    return [v.step for v in plan.delete], plan.unranked
+
+
 async def apply_retention(
     store: Store,
     policy: RetentionPolicy,
     limiter: anyio.CapacityLimiter,
     *,
     committed_step: int | None = None,
+    identity: WriterIdentity | None = None,
 ) -> list[int]:
     """Delete the committed checkpoints ``policy`` drops; return their steps, oldest first.
 
@@ -266,17 +314,19 @@ async def apply_retention(
     are considered: a save still in flight has no manifest, so it is neither
     counted nor touched, and the newest committed checkpoint (and
     ``committed_step``) is never deleted, so a durable checkpoint always remains.
+    With ``identity`` (the writer's), checkpoints another writer committed within
+    ``identity.grace()`` seconds are kept too (see retention's module docstring).
     Warns (RetentionWarning) if ``committed_step`` lacks the best metric.
     """
     if not policy.deletes_anything:
         return []
     protect = () if committed_step is None else (committed_step,)
-    plan = plan_retention(await _in_thread(limiter, infos, store), policy, protect=protect)
+    victims, unranked = await _in_thread(limiter, _plan, store, policy, protect, identity)
     deleted: list[int] = []
-    for victim in plan.delete:
-        await _in_thread(limiter, _delete_checkpoint, store, victim.step)
-        deleted.append(victim.step)
-    if committed_step is not None and committed_step in plan.unranked:
+    for step in victims:
+        await _in_thread(limiter, _delete_checkpoint, store, step)
+        deleted.append(step)
+    if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.
         warnings.warn(unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
     return deleted
