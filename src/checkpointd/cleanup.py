@@ -1,33 +1,46 @@
-"""Garbage collection of what crashed or failed saves leave behind.
+"""Garbage collection of what crashed, failed or losing saves leave behind.
 
-``find_leftovers`` lists, without changing anything: step folders with no
-manifest (saves that never committed), stray ``*.tmp-*`` files in committed
-folders, stale commit leases, and incomplete multipart uploads under the root.
-Only things no live writer owns are listed: nothing in them modified within
-``older_than`` seconds, and no live lease on their folder. ``remove_leftovers``
-removes them, re-checking that a folder is still uncommitted first. A committed
-checkpoint is never listed. Blocking; call from any thread.
+Every save attempt writes files under names of its own (commit.py), so nothing
+a dead writer left can collide with a live one; leftovers are found by age
+alone. ``scan_leftovers`` lists, without changing anything: step folders with
+no manifest (saves that never committed), ``*.tmp-*`` files and files the
+manifest does not reference in committed folders (a losing or dead attempt's
+files, ``writer.lock`` of older versions), and incomplete multipart uploads
+under the root. Only what nothing has modified for ``older_than`` seconds is
+listed, so a live save (or a losing one still cleaning up) is never raced; a
+step folder is dated by its own modification time as well as by its files.
+What it cannot list it skips and names in ``problems``. ``remove_leftovers``
+removes them, re-checking that a folder is still uncommitted first. A
+committed checkpoint (its manifest and the files it lists) is never listed.
+Blocking; call from any thread.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from checkpointd.catalog import step_folders
-from checkpointd.errors import StorageError, StorageNotFoundError
-from checkpointd.lease import LEASE_NAME, is_stale, read_lease
+from checkpointd.catalog import read_manifest, step_folders
+from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.manifest import MANIFEST_NAME, step_dirname
 from checkpointd.storage import TEMP_MARKER, PendingUpload, Store
 
-__all__ = ["DEFAULT_OLDER_THAN", "Leftover", "find_leftovers", "remove_leftovers"]
+__all__ = [
+    "DEFAULT_OLDER_THAN",
+    "Leftover",
+    "LeftoverScan",
+    "find_leftovers",
+    "remove_leftovers",
+    "scan_leftovers",
+    "unreferenced_files",
+]
 
 DEFAULT_OLDER_THAN = 3600.0
 """A suggested ``older_than`` for tools: an hour without a write means no writer is there."""
 
-LeftoverKind = Literal["uncommitted", "temp", "lease", "upload"]
+LeftoverKind = Literal["uncommitted", "temp", "unreferenced", "upload"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +59,28 @@ class Leftover:
         return f"{self.kind:<11} {self.path}  {self.nbytes} bytes  {self.age:.0f} s old"
 
 
+@dataclass(frozen=True, slots=True)
+class LeftoverScan:
+    """What ``scan_leftovers`` found, and one line for each thing it could not list."""
+
+    leftovers: list[Leftover] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
 def _file_info(store: Store, path: str) -> tuple[int, float | None] | None:
     """(size, mtime) of ``path``, or None if it vanished or is not a regular file."""
     try:
         return store.size(path), store.modified(path)
-    except StorageNotFoundError:
-        return None
     except StorageError:
         return None
+
+
+def _folder_time(store: Store, folder: str) -> float | None:
+    """The modification time of ``folder`` itself, if the store keeps one (local folders)."""
+    try:
+        return store.modified(folder)
+    except StorageError:
+        return None  # object stores have no folders: their files date them
 
 
 def _age(now: float, modified: float | None) -> float:
@@ -61,59 +88,87 @@ def _age(now: float, modified: float | None) -> float:
     return 0.0 if modified is None else max(0.0, now - modified)
 
 
-def _live_lease(store: Store, folder: str) -> bool:
-    lease = read_lease(store, folder)
-    return lease is not None and not is_stale(lease)
+def unreferenced_files(
+    store: Store,
+    folder: str,
+    listed: Iterable[str],
+    names: Iterable[str],
+    *,
+    older_than: float,
+    now: float | None = None,
+) -> list[Leftover]:
+    """Files among ``names`` in committed ``folder`` that are temporaries or not in ``listed``
+    (its manifest's files), untouched for ``older_than`` seconds. Changes nothing."""
+    keep = {MANIFEST_NAME, *listed}
+    now = time.time() if now is None else now
+    found: list[Leftover] = []
+    for name in names:
+        if name in keep:
+            continue
+        info = _file_info(store, f"{folder}/{name}")
+        if info is None:
+            continue  # gone, or a sub-folder: not ours to judge
+        age = _age(now, info[1])
+        if age >= older_than:
+            kind: LeftoverKind = "temp" if TEMP_MARKER in name else "unreferenced"
+            found.append(Leftover(kind, f"{folder}/{name}", info[0], age))
+    return found
 
 
 def _scan_folder(store: Store, step: int, older_than: float, now: float) -> list[Leftover]:
     folder = step_dirname(step)
     names = store.list_dir(folder)
-    infos = {name: _file_info(store, f"{folder}/{name}") for name in names}
-    if MANIFEST_NAME not in names:
-        if _live_lease(store, folder):
-            return []
-        sizes = [i[0] for i in infos.values() if i is not None]
-        ages = [_age(now, i[1]) for i in infos.values() if i is not None]
-        # An empty folder (or one of only sub-folders) has no file to date; date it as old.
-        age = min(ages, default=older_than)
-        if age < older_than:
-            return []
-        return [Leftover("uncommitted", folder, sum(sizes), age)]
-    found: list[Leftover] = []
-    for name, info in infos.items():
-        if info is None:
-            continue
-        age = _age(now, info[1])
-        if age < older_than:
-            continue
-        if TEMP_MARKER in name:
-            found.append(Leftover("temp", f"{folder}/{name}", info[0], age))
-        elif name == LEASE_NAME and not _live_lease(store, folder):
-            found.append(Leftover("lease", f"{folder}/{name}", info[0], age))
-    return found
+    if MANIFEST_NAME in names:
+        try:
+            listed = [f.path for f in read_manifest(store, step).files]
+        except CheckpointError:
+            # Unreadable (or deleted by retention just now): judge only what is surely not
+            # the checkpoint's.
+            names = [n for n in names if TEMP_MARKER in n]
+            listed = []
+        return unreferenced_files(store, folder, listed, names, older_than=older_than, now=now)
+    infos = [_file_info(store, f"{folder}/{name}") for name in names]
+    sizes = [i[0] for i in infos if i is not None]
+    times = [i[1] for i in infos if i is not None]
+    # The folder's own time covers a save between its mkdir and its first file.
+    folder_time = _folder_time(store, folder)
+    if folder_time is not None:
+        times.append(folder_time)
+    # A folder with nothing to date it by (object stores list no empty folders) is old.
+    age = min((_age(now, t) for t in times), default=older_than)
+    if age < older_than:
+        return []
+    return [Leftover("uncommitted", folder, sum(sizes), age)]
+
+
+def scan_leftovers(store: Store, *, older_than: float) -> LeftoverScan:
+    """Everything under the root that crashed or failed saves left, untouched for
+    ``older_than`` seconds, and what could not be listed. Changes nothing.
+
+    Raises StorageError only if the root itself cannot be listed.
+    """
+    now = time.time()
+    scan = LeftoverScan()
+    for step in step_folders(store):
+        try:
+            scan.leftovers.extend(_scan_folder(store, step, older_than, now))
+        except StorageError as exc:
+            scan.problems.append(f"could not scan step folder {step_dirname(step)}: {exc}")
+    try:
+        uploads = store.pending_uploads()
+    except StorageError as exc:
+        scan.problems.append(f"could not list incomplete uploads, so none are removed: {exc}")
+        uploads = []
+    for upload in uploads:
+        age = _age(now, upload.modified)
+        if age >= older_than:
+            scan.leftovers.append(Leftover("upload", upload.path, 0, age, upload))
+    return scan
 
 
 def find_leftovers(store: Store, *, older_than: float) -> list[Leftover]:
-    """Everything under the root that crashed or failed saves left and no live writer owns.
-
-    ``older_than``: seconds without a modification before a leftover counts as
-    abandoned. Committed checkpoints are never listed. Changes nothing.
-    """
-    now = time.time()
-    found: list[Leftover] = []
-    for step in step_folders(store):
-        found.extend(_scan_folder(store, step, older_than, now))
-    uncommitted = {f.path for f in found if f.kind == "uncommitted"}
-    for upload in store.pending_uploads():
-        age = _age(now, upload.modified)
-        if age < older_than:
-            continue
-        folder = upload.path.partition("/")[0]
-        if folder not in uncommitted and _live_lease(store, folder):
-            continue
-        found.append(Leftover("upload", upload.path, 0, age, upload))
-    return found
+    """The leftovers of ``scan_leftovers``; what could not be listed is skipped silently."""
+    return scan_leftovers(store, older_than=older_than).leftovers
 
 
 def remove_leftovers(store: Store, leftovers: Iterable[Leftover]) -> None:
@@ -126,9 +181,5 @@ def remove_leftovers(store: Store, leftovers: Iterable[Leftover]) -> None:
             if store.exists(f"{leftover.path}/{MANIFEST_NAME}"):
                 continue
             store.remove_dir(leftover.path)
-        elif leftover.kind == "lease":
-            folder = leftover.path.rpartition("/")[0]
-            if not _live_lease(store, folder):
-                store.remove_file(leftover.path)
         else:
             store.remove_file(leftover.path)

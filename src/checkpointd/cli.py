@@ -420,7 +420,7 @@ def _rules(policy: RetentionPolicy) -> str:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from checkpointd import catalog
-    from checkpointd.cleanup import find_leftovers, remove_leftovers
+    from checkpointd.cleanup import remove_leftovers, scan_leftovers
     from checkpointd.commit import _delete_checkpoint
     from checkpointd.retention import plan_retention
 
@@ -441,7 +441,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             print(
                 f"  note: no metric {policy.best_metric!r} at steps {steps}: keep_best skips them"
             )
-        leftovers = find_leftovers(store, older_than=args.older_than)
+        scan = scan_leftovers(store, older_than=args.older_than)
+        leftovers = scan.leftovers
+        for problem in scan.problems:
+            print(f"checkpointd gc: {problem}", file=sys.stderr)
         print(f"leftovers (untouched for {args.older_than:g} s or more, no live writer):")
         for leftover in leftovers:
             print(f"  remove  {leftover.describe()}")
@@ -647,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=(
             "leftovers untouched this long count as abandoned (default "
-            f"{DEFAULT_OLDER_THAN:g}); a save in progress holds no lease until it commits, "
+            f"{DEFAULT_OLDER_THAN:g}); a live save's files are only dated by their age, "
             "so use small values only when no writer is running"
         ),
     )

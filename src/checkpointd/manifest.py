@@ -86,6 +86,8 @@ class Manifest(msgspec.Struct, frozen=True):
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     world_size: int = 1
     format: str = FORMAT_NAME
+    writer: str = ""
+    """Random id of the writer instance that committed it ("" if unknown); see retention."""
 
     @property
     def nbytes(self) -> int:

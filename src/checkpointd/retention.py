@@ -2,30 +2,73 @@
 
 The writer applies the policy only after a commit, deleting each victim's
 manifest first so that a half-deleted checkpoint is invisible, never torn.
+
+Sharing a root: several writers (two jobs, a restarted job and its old
+instance, a trainer and a side job) may save into one root. Steps are shared:
+two saves of one step race and exactly one commits. Each writer applies its
+own policy to every committed checkpoint in the root, whoever wrote it, with
+one exception: it never deletes a checkpoint that another writer instance
+committed less than a grace window ago (the longer of ``GRACE_SECONDS`` and
+twice its own last save interval), so a save another writer just reported
+durable stays loadable for at least that long. Each manifest records the
+random id of the writer instance that committed it (``Manifest.writer``); a
+manifest without one counts as another writer's.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from checkpointd.manifest import CheckpointInfo
 
 __all__ = [
+    "GRACE_SECONDS",
     "RetentionPlan",
     "RetentionPolicy",
     "RetentionWarning",
+    "WriterIdentity",
     "checkpoints_to_delete",
     "checkpoints_to_keep",
     "plan_retention",
 ]
 
 
+GRACE_SECONDS = 600.0
+"""The shortest time another writer's new checkpoint is safe from this writer's retention."""
+
+
 class RetentionWarning(UserWarning):
     """A checkpoint could not be ranked by the best-metric rule."""
+
+
+@dataclass(slots=True)
+class WriterIdentity:
+    """One writer instance: the random id its manifests carry, and its save interval.
+
+    Used only from the writer's event loop (one save at a time).
+    """
+
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
+    last_commit: float | None = None
+    """When this writer last committed (time.monotonic())."""
+    interval: float | None = None
+    """Seconds between its last two commits."""
+
+    def note_commit(self, now: float) -> None:
+        """Record a commit at ``now`` (monotonic seconds)."""
+        if self.last_commit is not None:
+            self.interval = max(0.0, now - self.last_commit)
+        self.last_commit = now
+
+    def grace(self) -> float:
+        """How long another writer's checkpoint is kept after its commit: GRACE_SECONDS or
+        twice this writer's last save interval, whichever is longer."""
+        return max(GRACE_SECONDS, 2 * (self.interval or 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +128,20 @@ def plan_retention(
     policy: RetentionPolicy,
     *,
     protect: Iterable[int] = (),
+    foreign: Mapping[int, float] | None = None,
+    now: float | None = None,
+    grace: float = GRACE_SECONDS,
 ) -> RetentionPlan:
     """Apply ``policy`` to ``checkpoints`` (committed ones, any order); pure, never warns.
 
     The newest step and the ``protect`` steps present are always kept. With no
-    rule set, everything is kept.
+    rule set, everything is kept. ``foreign`` maps steps that another writer
+    committed to when it committed them (Unix seconds); those committed less
+    than ``grace`` seconds before ``now`` (Unix seconds, required with ``foreign``)
+    are kept too ("other writer").
     """
+    if foreign and now is None:
+        raise ValueError("plan_retention: pass now with foreign")
     by_step = sorted(checkpoints, key=lambda c: c.step)
     reasons: dict[int, list[str]] = {}
 
@@ -112,6 +163,11 @@ def plan_retention(
         if policy.keep_best is not None:
             best, unranked = _best_steps(by_step, policy)
             keep(best, "best")
+        if foreign and now is not None:
+            keep(
+                sorted(s for s, at in foreign.items() if s in present and now - at < grace),
+                "other writer",
+            )
     return RetentionPlan(
         reasons={step: tuple(why) for step, why in sorted(reasons.items())},
         delete=tuple(c for c in by_step if c.step not in reasons),

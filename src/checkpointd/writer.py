@@ -42,7 +42,7 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.manifest import CheckpointInfo
-from checkpointd.retention import RetentionPolicy
+from checkpointd.retention import RetentionPolicy, WriterIdentity
 from checkpointd.storage import Store, open_store
 
 __all__ = ["AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"]
@@ -150,6 +150,7 @@ class _WriteService:
     ) -> None:
         self.store = store
         self.policy = policy
+        self.identity = WriterIdentity()  # recorded in its manifests; see retention
         self.max_pending = max_pending
         self.max_concurrency = max_concurrency
         self.failures = _Failures()
@@ -186,7 +187,7 @@ class _WriteService:
         """Write one snapshot, run retention, then resolve its handle (in that order)."""
         try:
             try:
-                info = await write_snapshot(self.store, snapshot, limiter)
+                info = await write_snapshot(self.store, snapshot, limiter, identity=self.identity)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
         except Exception as exc:
@@ -198,7 +199,9 @@ class _WriteService:
             handle._resolve(None, WriterClosedError("the writer stopped during this save"))
             raise
         try:
-            await apply_retention(self.store, self.policy, limiter, committed_step=info.step)
+            await apply_retention(
+                self.store, self.policy, limiter, committed_step=info.step, identity=self.identity
+            )
         except Exception as exc:
             # The checkpoint is committed; the retention failure is reported on its own.
             self.failures.add(_first_leaf(exc))

@@ -1,21 +1,22 @@
-"""GC of leftovers: uncommitted folders, stray temp files, stale leases, orphan uploads."""
+"""GC of leftovers: uncommitted folders, temp and unreferenced files, orphan uploads."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
-import socket
-import subprocess
-import sys
 import time
+from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 
 import checkpointd
-from checkpointd.cleanup import find_leftovers, remove_leftovers
-from checkpointd.lease import LEASE_NAME, Lease
-from checkpointd.storage import FsspecStore, LocalStore, open_store
+from checkpointd import cli
+from checkpointd.cleanup import find_leftovers, remove_leftovers, scan_leftovers
+from checkpointd.errors import StorageError
+from checkpointd.manifest import MANIFEST_NAME
+from checkpointd.storage import FsspecStore, LocalStore, PendingUpload, open_store
 from tests.conftest import Root
 from tests.support.s3 import MotoS3
 
@@ -25,11 +26,17 @@ def _save(root: Root, step: int) -> None:
         writer.save(step, {"w": torch.arange(10.0)}).result()
 
 
-def _dead_lease() -> bytes:
-    """A fresh lease of a process that has exited, on this host: stale by its pid."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return msgspec.json.encode(Lease(socket.gethostname(), child.pid, "dead", time.time()))
+def _write(path: str, data: bytes, *, age: float = 0.0) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+    if age:
+        then = time.time() - age
+        os.utime(path, (then, then))
+
+
+def _listed(folder: str) -> set[str]:
+    with open(f"{folder}/{MANIFEST_NAME}", "rb") as f:
+        return {entry["path"] for entry in json.loads(f.read())["files"]}
 
 
 def test_local_leftovers_found_and_removed(local_root: Root) -> None:
@@ -37,23 +44,21 @@ def test_local_leftovers_found_and_removed(local_root: Root) -> None:
     base = local_root.url
     # A crashed save: an uncommitted folder with a temp file and a finished file.
     os.makedirs(f"{base}/000000000002")
-    with open(f"{base}/000000000002/w.safetensors.tmp-abcdef", "wb") as f:
-        f.write(b"x" * 100)
-    with open(f"{base}/000000000002/w.safetensors", "wb") as f:
-        f.write(b"y" * 50)
-    # A stray temp manifest and a dead writer's lease in the committed folder.
-    with open(f"{base}/000000000001/manifest.json.tmp-123456", "wb") as f:
-        f.write(b"{}")
-    with open(f"{base}/000000000001/{LEASE_NAME}", "wb") as f:
-        f.write(_dead_lease())
+    _write(f"{base}/000000000002/w.safetensors.tmp-abcdef", b"x" * 100)
+    _write(f"{base}/000000000002/w.1234abcd.safetensors", b"y" * 50)
+    # In the committed folder: a stray temp manifest, a dead attempt's file, an old lease.
+    _write(f"{base}/000000000001/manifest.json.tmp-123456", b"{}")
+    _write(f"{base}/000000000001/w.0badf00d.safetensors", b"z" * 30)
+    _write(f"{base}/000000000001/writer.lock", b'{"host": "vm", "pid": 1}')
     store = LocalStore(base)
 
     leftovers = find_leftovers(store, older_than=0)
     kinds = sorted((x.kind, x.path) for x in leftovers)
     assert kinds == [
-        ("lease", f"000000000001/{LEASE_NAME}"),
         ("temp", "000000000001/manifest.json.tmp-123456"),
         ("uncommitted", "000000000002"),
+        ("unreferenced", "000000000001/w.0badf00d.safetensors"),
+        ("unreferenced", "000000000001/writer.lock"),
     ]
     assert next(x for x in leftovers if x.kind == "uncommitted").nbytes == 150
     # Nothing is old enough with a long window: a live writer may still own them.
@@ -61,24 +66,76 @@ def test_local_leftovers_found_and_removed(local_root: Root) -> None:
 
     remove_leftovers(store, leftovers)
     assert sorted(os.listdir(base)) == ["000000000001"]
-    assert sorted(os.listdir(f"{base}/000000000001")) == [
-        "manifest.json",
-        "w.safetensors",
-        "w.tree.msgpack",
-    ]
+    folder = f"{base}/000000000001"
+    assert set(os.listdir(folder)) == {MANIFEST_NAME, *_listed(folder)}
     assert find_leftovers(store, older_than=0) == []
     assert checkpointd.load(base).info.step == 1
 
 
-def test_live_lease_protects_uncommitted_folder(local_root: Root) -> None:
+def test_gc_clears_a_dead_writers_folder_despite_its_fresh_lease(local_root: Root) -> None:
+    """An old-style writer.lock of another node (unexpired by its own clock) protects nothing."""
+    base = local_root.url
+    folder = f"{base}/000000000003"
+    os.makedirs(folder)
+    lease = {"host": "node-7f3c.cluster", "pid": 27539, "token": "dead", "acquired_at": time.time()}
+    _write(f"{folder}/writer.lock", json.dumps(lease).encode(), age=7200)
+    _write(f"{folder}/a.safetensors", b"z", age=7200)
+    then = time.time() - 7200
+    os.utime(folder, (then, then))
+    store = LocalStore(base)
+    leftovers = find_leftovers(store, older_than=3600)
+    assert [(x.kind, x.path) for x in leftovers] == [("uncommitted", "000000000003")]
+    remove_leftovers(store, leftovers)
+    assert os.listdir(base) == []
+
+
+def test_young_uncommitted_folder_is_spared(local_root: Root) -> None:
     base = local_root.url
     os.makedirs(f"{base}/000000000003")
-    with open(f"{base}/000000000003/a.safetensors", "wb") as f:
-        f.write(b"z")
-    live = Lease(socket.gethostname(), os.getpid(), "live", time.time())
-    with open(f"{base}/000000000003/{LEASE_NAME}", "wb") as f:
-        f.write(msgspec.json.encode(live))
-    assert find_leftovers(LocalStore(base), older_than=0) == []
+    _write(f"{base}/000000000003/a.safetensors", b"z", age=7200)
+    _write(f"{base}/000000000003/b.safetensors.tmp-0123", b"z")  # written to just now
+    assert find_leftovers(LocalStore(base), older_than=3600) == []
+
+
+def test_gc_spares_a_just_created_empty_step_folder(local_root: Root) -> None:
+    """A save between its mkdir and its first file: the folder's own time dates it."""
+    base = local_root.url
+    folder = Path(base, f"{7:012d}")
+    folder.mkdir(parents=True)
+    store = LocalStore(base)
+    assert find_leftovers(store, older_than=3600) == []
+    then = time.time() - 7200
+    os.utime(folder, (then, then))
+    assert [(x.kind, x.path) for x in find_leftovers(store, older_than=3600)] == [
+        ("uncommitted", folder.name)
+    ]
+
+
+def _no_upload_listing(self: LocalStore) -> list[PendingUpload]:
+    raise StorageError(errno.ENOSYS, "ListMultipartUploads: not implemented by this server")
+
+
+def test_gc_without_upload_listing_cleans_the_rest_and_says_what_it_skipped(
+    local_root: Root, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(local_root, 1)
+    base = local_root.url
+    os.makedirs(f"{base}/000000000002")
+    _write(f"{base}/000000000002/w.1234abcd.safetensors", b"y" * 50, age=7200)
+    monkeypatch.setattr(LocalStore, "pending_uploads", _no_upload_listing)
+
+    scan = scan_leftovers(LocalStore(base), older_than=0)
+    assert [(x.kind, x.path) for x in scan.leftovers] == [("uncommitted", "000000000002")]
+    assert len(scan.problems) == 1
+    assert "incomplete uploads" in scan.problems[0]
+    assert "not implemented" in scan.problems[0]
+
+    assert cli.main(["gc", base, "--older-than", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "uncommitted 000000000002" in out
+    assert err.splitlines() == [f"checkpointd gc: {scan.problems[0]}"]
+    assert cli.main(["gc", base, "--older-than", "0", "--apply"]) == 0
+    assert sorted(os.listdir(base)) == ["000000000001"]
 
 
 def test_s3_orphan_multipart_upload_aborted(s3_root: Root, moto_s3: MotoS3) -> None:
@@ -104,6 +161,20 @@ def test_s3_orphan_multipart_upload_aborted(s3_root: Root, moto_s3: MotoS3) -> N
     remove_leftovers(store, leftovers)
     remaining = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert [u["Key"] for u in remaining] == ["other/x"]
+    assert checkpointd.load(s3_root.url, storage_options=s3_root.storage_options).info.step == 1
+
+
+def test_s3_unreferenced_object_in_committed_folder_removed(s3_root: Root) -> None:
+    _save(s3_root, 1)
+    store = open_store(s3_root.url, s3_root.storage_options)
+    store.publish("000000000001/w.0badf00d.safetensors", b"dead attempt")
+    leftovers = find_leftovers(store, older_than=0)
+    assert [(x.kind, x.path) for x in leftovers] == [
+        ("unreferenced", "000000000001/w.0badf00d.safetensors")
+    ]
+    remove_leftovers(store, leftovers)
+    assert "w.0badf00d.safetensors" not in store.list_dir("000000000001")
+    assert find_leftovers(store, older_than=0) == []
     assert checkpointd.load(s3_root.url, storage_options=s3_root.storage_options).info.step == 1
 
 

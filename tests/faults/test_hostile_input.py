@@ -30,9 +30,14 @@ from checkpointd.errors import (
 )
 from checkpointd.format import header_length, parse_safetensors_header
 from checkpointd.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
+from tests.support.files import component_file
 
 FOLDER = "000000000001"
-TENSORS = "model.safetensors"
+
+
+def _tensors(root: str) -> str:
+    """The model's tensor file (its name carries the save's token)."""
+    return component_file(root, 1, "model")
 
 
 def _save(root: str) -> None:
@@ -71,15 +76,16 @@ def _flip(path: str, offset: int) -> None:
 
 
 def _truncate(root: str) -> None:
-    os.truncate(f"{root}/{FOLDER}/{TENSORS}", 100)
+    os.truncate(f"{root}/{FOLDER}/{_tensors(root)}", 100)
 
 
 def _flip_data(root: str) -> None:
-    _flip(f"{root}/{FOLDER}/{TENSORS}", os.path.getsize(f"{root}/{FOLDER}/{TENSORS}") - 3)
+    path = f"{root}/{FOLDER}/{_tensors(root)}"
+    _flip(path, os.path.getsize(path) - 3)
 
 
 def _flip_header(root: str) -> None:
-    _flip(f"{root}/{FOLDER}/{TENSORS}", 20)
+    _flip(f"{root}/{FOLDER}/{_tensors(root)}", 20)
 
 
 def _flip_manifest(root: str) -> None:
@@ -87,14 +93,15 @@ def _flip_manifest(root: str) -> None:
 
 
 def _terabyte_header(root: str) -> None:
-    _replace_file(root, TENSORS, (2**40).to_bytes(8, "little") + b"{}" + b" " * 30)
+    _replace_file(root, _tensors(root), (2**40).to_bytes(8, "little") + b"{}" + b" " * 30)
 
 
 def _path_entry(path: str) -> Callable[[str], None]:
     def damage(root: str) -> None:
         manifest = _manifest(root)
+        tensors = _tensors(root)
         files = [
-            FileEntry(path, e.size, e.crc32c) if e.path == TENSORS else e for e in manifest.files
+            FileEntry(path, e.size, e.crc32c) if e.path == tensors else e for e in manifest.files
         ]
         components = {
             name: msgspec.structs.replace(c, tensors=[path])
@@ -106,14 +113,14 @@ def _path_entry(path: str) -> Callable[[str], None]:
 
 
 def _symlink_outside(root: str) -> None:
-    target = f"{root}/{FOLDER}/{TENSORS}"
+    target = f"{root}/{FOLDER}/{_tensors(root)}"
     outside = os.path.join(os.path.dirname(root), "outside.safetensors")
     os.replace(target, outside)  # same bytes: size and digest would match if it were followed
     os.symlink(outside, target)
 
 
 def _fifo(root: str) -> None:
-    target = f"{root}/{FOLDER}/model.tree.msgpack"
+    target = f"{root}/{FOLDER}/{component_file(root, 1, 'model', 'tree')}"
     os.unlink(target)
     os.mkfifo(target)
 
@@ -131,7 +138,7 @@ class _Sentinel:
 
 def _pickle_payload(root: str) -> None:
     _Sentinel.path = os.path.join(os.path.dirname(root), "SENTINEL")
-    _replace_file(root, TENSORS, pickle.dumps({"w": _Sentinel()}))
+    _replace_file(root, _tensors(root), pickle.dumps({"w": _Sentinel()}))
 
 
 DAMAGE: dict[str, tuple[Callable[[str], None], type[CheckpointError]]] = {
@@ -170,7 +177,7 @@ def test_pickle_sentinel_would_fire(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     _save(root)
     _pickle_payload(root)
-    with open(f"{root}/{FOLDER}/{TENSORS}", "rb") as f:
+    with open(f"{root}/{FOLDER}/{_tensors(root)}", "rb") as f:
         loaded = pickle.loads(f.read())  # deliberately, in this control test only
     loaded["w"].close()
     assert (tmp_path / "SENTINEL").exists()

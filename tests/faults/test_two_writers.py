@@ -1,7 +1,8 @@
 """Two writers saving the same steps into one root, concurrently, many rounds.
 
 Exactly one wins each step; the loser gets CheckpointExistsError; the committed
-checkpoint is entirely the winner's (never a mix, never overwritten later).
+checkpoint is entirely the winner's (never a mix, never overwritten later), and
+once the loser's save has failed none of its files remain in the step folder.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd.catalog import read_manifest
 from checkpointd.errors import CheckpointExistsError
+from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.storage import open_store
 from tests.conftest import Root
 from tests.faults.helpers import same
 
@@ -32,6 +36,7 @@ def _race(root: Root, rounds: int) -> dict[str, int]:
         for _ in range(2)
     ]
     wins = {"0": 0, "1": 0}
+    store = open_store(root.url, root.storage_options)
     try:
         for step in range(1, rounds + 1):
             # Different sizes so the writers' phases shift against each other round by round.
@@ -65,10 +70,14 @@ def _race(root: Root, rounds: int) -> dict[str, int]:
             wins[str(winner)] += 1
             loaded = checkpointd.load(root.url, step, storage_options=root.storage_options)
             assert same(loaded.state, _state(winner, step, sizes[winner])), f"step {step} mixed"
+            listed = {f.path for f in read_manifest(store, step).files}
+            left = set(store.list_dir(step_dirname(step))) - {MANIFEST_NAME}
+            assert left == listed, f"step {step}: the loser left {sorted(left - listed)}"
         # Nothing a loser did later damaged an earlier winner.
         for info in checkpointd.list_checkpoints(root.url, storage_options=root.storage_options):
             checkpointd.load(root.url, info.step, storage_options=root.storage_options)
     finally:
+        store.close()
         for w in writers:
             with contextlib.suppress(CheckpointExistsError):
                 w.close()  # the loser's failure was checked above

@@ -24,6 +24,7 @@ import checkpointd
 from checkpointd import cli
 from checkpointd.storage import LocalStore, open_store
 from tests.conftest import Root
+from tests.support.files import component_file
 
 STEPS = (10, 20, 30)
 
@@ -117,7 +118,7 @@ def check_described(info: dict[str, Any], state: dict[str, Any], step: int) -> N
     extra = info["components"]["extra"]["tensors"]
     assert sorted(t["dtype"] for t in extra) == ["float16", "int64"]
     files = {f["path"]: f["size"] for f in info["files"]}
-    assert "model.safetensors" in files
+    assert set(info["components"]["model"]["tensor_files"]) <= set(files)
     assert sum(files.values()) == info["nbytes"]
 
 
@@ -134,7 +135,7 @@ def test_inspect_shows_components_tensors_metadata_and_files(
     assert "component model: 4 tensors" in text
     assert "  0.weight  float32    [16, 8]" in text
     assert 'metadata  {"run": "cli-test", "step": 30}' in text
-    assert "model.safetensors" in text
+    assert component_file(root.url, 30, "model") in text
 
 
 def test_inspect_reads_headers_not_tensor_data(tmp_path: Path) -> None:
@@ -194,14 +195,15 @@ def test_verify_names_each_bad_file_and_fails(
     local: tuple[Root, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, _ = local
-    flip_byte(root, 20, "model.safetensors")
-    truncated = Path(root.url, f"{10:012d}", "optimizer.safetensors")
+    flipped = component_file(root.url, 20, "model")
+    flip_byte(root, 20, flipped)
+    truncated = Path(root.url, f"{10:012d}", component_file(root.url, 10, "optimizer"))
     truncated.write_bytes(truncated.read_bytes()[:-3])
     bad = run(root, "verify", root.url, "--all", "--no-progress", check=1)
     lines = bad.stdout.splitlines()
-    where = f"{root.url}/{20:012d}/model.safetensors"
+    where = f"{root.url}/{20:012d}/{flipped}"
     assert any(line.startswith(f"  bad file {where}: CRC32C ") for line in lines)
-    assert any("optimizer.safetensors: size" in line for line in lines)
+    assert any(f"{truncated.name}: size" in line for line in lines)
     assert [line.endswith(": ok") for line in lines if line.startswith("step ")] == [
         False,
         False,
@@ -385,9 +387,10 @@ def test_every_command_on_s3(
     assert cli.main(["inspect", root.url, "--step", "10", "--json", *option_flags(root)]) == 0
     check_described(json.loads(capsys.readouterr().out), states[10], 10)
 
-    flip_byte(root, 20, "optimizer.safetensors")
+    flipped = component_file(root.url, 20, "optimizer", storage_options=root.storage_options)
+    flip_byte(root, 20, flipped)
     bad = run(root, "verify", root.url, "--all", check=1)
-    assert f"bad file {root.url}/{20:012d}/optimizer.safetensors: CRC32C" in bad.stdout
+    assert f"bad file {root.url}/{20:012d}/{flipped}: CRC32C" in bad.stdout
     steps = [line for line in bad.stdout.splitlines() if line.startswith("step")]
     assert [line.endswith(": ok") for line in steps] == [True, False, True]
 

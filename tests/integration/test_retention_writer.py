@@ -126,6 +126,24 @@ def test_retention_never_leaves_the_root_without_a_checkpoint_while_saves_are_in
     assert visible(local_root) == [8]
 
 
+def test_writers_sharing_a_root_never_delete_each_others_fresh_checkpoints(
+    local_root: Root,
+) -> None:
+    """Two writers with keep_last=1: each prunes its own old steps, not the other's new one."""
+    with (
+        checkpointd.CheckpointWriter(local_root.url, keep_last=1) as first,
+        checkpointd.CheckpointWriter(local_root.url, keep_last=1) as second,
+    ):
+        first.save(1, state(1)).result(timeout=60)
+        second.save(2, state(2)).result(timeout=60)
+        first.save(3, state(3)).result(timeout=60)  # 1 is its own: gone; 2 is second's: kept
+        assert visible(local_root) == [2, 3]
+        second.save(4, state(4)).result(timeout=60)  # 2 is its own: gone; 3 is first's: kept
+        assert visible(local_root) == [3, 4]
+    for step in (3, 4):
+        assert_loads_intact(local_root, step)
+
+
 # --- a crash in the middle of retention ----------------------------------------
 
 

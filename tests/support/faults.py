@@ -13,6 +13,9 @@ mutating call is counted and logged, and the wrapper can
 
 Use ``install(monkeypatch)``; call ``power_off()`` after a crash to apply the
 losses, then ``uninstall`` (or let monkeypatch undo it) before checking the disk.
+The wrapper keeps what it moved aside in a temporary folder made only when
+needed and removed by ``cleanup()`` or, at the latest, when the wrapper is
+garbage-collected.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +75,16 @@ class FaultyOS:
     _synced_size: dict[int, int] = field(default_factory=dict)  # inode -> size at last fsync
     _dirty: dict[int, str] = field(default_factory=dict)  # inode -> a path it had
     _journal: list[_DirOp] = field(default_factory=list)
-    _shadow: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="faultyos-"))
+    _shadow_dir: str | None = None
+
+    @property
+    def _shadow(self) -> str:
+        """Where removed files and trees are kept so a power loss can undo the removal."""
+        with self._lock:
+            if self._shadow_dir is None:
+                self._shadow_dir = tempfile.mkdtemp(prefix="faultyos-")
+                weakref.finalize(self, shutil.rmtree, self._shadow_dir, ignore_errors=True)
+            return self._shadow_dir
 
     # -- bookkeeping --------------------------------------------------------
 
@@ -260,7 +273,9 @@ class FaultyOS:
         return self
 
     def cleanup(self) -> None:
-        shutil.rmtree(self._shadow, ignore_errors=True)
+        """Remove the folder of things moved aside (the wrapper must not be used afterwards)."""
+        if self._shadow_dir is not None:
+            shutil.rmtree(self._shadow_dir, ignore_errors=True)
 
 
 class _ShutilProxy:

@@ -14,6 +14,7 @@ import checkpointd
 from checkpointd.capture import StagingBuffer
 from checkpointd.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES, address, write_direct
 from checkpointd.storage import LocalStore
+from tests.support.files import component_file
 
 
 def _aligned(nbytes: int, skew: int = 0) -> memoryview:
@@ -86,7 +87,7 @@ def test_large_checkpoint_round_trips_and_stays_safetensors(tmp_path: Path) -> N
     loaded = checkpointd.load(str(tmp_path), 2).state["model"]
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor)
-    path = tmp_path / f"{2:012d}" / "model.safetensors"
+    path = tmp_path / f"{2:012d}" / component_file(str(tmp_path), 2, "model")
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     assert (8 + header_len) % DIRECT_ALIGN == 0  # data region aligned for direct I/O
     with safetensors.safe_open(str(path), "pt") as f:

@@ -17,13 +17,14 @@ from checkpointd.catalog import read_manifest
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.restore import _Reader
 from checkpointd.storage import open_store
+from tests.support.files import component_file
 
 
 def _save(root: Path) -> tuple[dict[str, torch.Tensor], Path]:
     state = {"w": torch.randn(2**19), "i": torch.arange(10, dtype=torch.int64)}  # 2 MiB + 80 B
     with checkpointd.CheckpointWriter(str(root)) as writer:
         writer.save(1, {"model": state}).result()
-    return state, root / f"{1:012d}" / "model.safetensors"
+    return state, root / f"{1:012d}" / component_file(str(root), 1, "model")
 
 
 def test_large_load_is_exact_and_owned_by_the_caller(tmp_path: Path) -> None:
@@ -64,10 +65,11 @@ def test_checkpoint_deleted_while_loading_is_not_found_not_corrupt(tmp_path: Pat
     store = open_store(str(root))
     manifest = read_manifest(store, 1)
     (folder / "manifest.json").unlink()  # as retention does first
-    (folder / "m.safetensors").unlink()
+    name = manifest.components["m"].tensors[0]
+    (folder / name).unlink()
     reader = _Reader(store, 1, manifest, verify=True)
     with pytest.raises(checkpointd.CheckpointNotFoundError, match="deleted while"):
-        reader.read("m.safetensors")
+        reader.read(name)
 
 
 def _file_mappings(folder: Path) -> list[str]:

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.retention import (
+    GRACE_SECONDS,
     RetentionPolicy,
     RetentionWarning,
+    WriterIdentity,
     checkpoints_to_delete,
     checkpoints_to_keep,
     plan_retention,
@@ -116,6 +118,33 @@ def test_protected_steps_are_kept_and_others_are_not_invented() -> None:
     plan = plan_retention(HISTORY, RetentionPolicy(keep_last=1), protect=(20, 999))
     assert plan.keep == {20, 60}
     assert plan.reasons[20] == ("protected",)
+
+
+def test_another_writers_checkpoint_is_kept_only_within_the_grace_window() -> None:
+    committed_at = 1_000_000.0
+    foreign = {20: committed_at, 40: committed_at - 10_000}  # 40 was committed long ago
+    policy = RetentionPolicy(keep_last=1)
+    inside = plan_retention(HISTORY, policy, foreign=foreign, now=committed_at + 599, grace=600)
+    assert inside.keep == {20, 60}
+    assert inside.reasons[20] == ("other writer",)
+    after = plan_retention(HISTORY, policy, foreign=foreign, now=committed_at + 601, grace=600)
+    assert after.keep == {60}
+    # A step the rules keep anyway just gains the reason; nothing is invented.
+    both = plan_retention(HISTORY, policy, foreign={60: committed_at, 999: 0.0}, now=committed_at)
+    assert both.reasons[60] == ("newest", "last", "other writer")
+    assert both.keep == {60}
+
+
+def test_grace_is_ten_minutes_or_twice_the_writers_save_interval() -> None:
+    identity = WriterIdentity()
+    assert identity.id != WriterIdentity().id
+    assert identity.grace() == GRACE_SECONDS == 600.0
+    identity.note_commit(1_000.0)
+    assert identity.grace() == GRACE_SECONDS
+    identity.note_commit(1_000.0 + 2_000)
+    assert identity.grace() == 4_000
+    identity.note_commit(3_000.0 + 10)
+    assert identity.grace() == GRACE_SECONDS
 
 
 @pytest.mark.parametrize("missing", [None, "n/a", True, math.nan])

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import checkpointd
 from checkpointd import rng as rng_module
-from checkpointd.format import tensor_file_name, tree_file_name
+from tests.support.files import component_file
 
 
 def _draws() -> tuple[Any, ...]:
@@ -74,7 +74,7 @@ def test_round_trip_through_a_checkpoint_without_pickle(tmp_path: Path) -> None:
     # On disk: a msgpack tree of primitives whose only extensions are tensor references
     # (code 1: tensor, 2: ndarray), and a safetensors file for the tensors.
     folder = tmp_path / "ckpt" / f"{1:012d}"
-    tree = msgspec.msgpack.decode((folder / tree_file_name("rng")).read_bytes())
+    tree = msgspec.msgpack.decode((folder / component_file(root, 1, "rng", "tree")).read_bytes())
     leaves: list[Any] = []
 
     def walk(value: Any) -> None:
@@ -95,7 +95,7 @@ def test_round_trip_through_a_checkpoint_without_pickle(tmp_path: Path) -> None:
         else:
             assert leaf is None or isinstance(leaf, int | float | str), leaf
     assert set(tree) == {"python", "numpy", "torch", "cuda"}
-    with safe_open(str(folder / tensor_file_name("rng")), framework="pt") as f:
+    with safe_open(str(folder / component_file(root, 1, "rng")), framework="pt") as f:
         assert set(f.keys()) == {"torch", "numpy/keys"}
         assert f.get_tensor("torch").dtype == torch.uint8
 

@@ -19,6 +19,7 @@ from checkpointd import (
     UnsupportedValueError,
     WriterClosedError,
 )
+from tests.support.files import component_file
 
 
 def _state(value: float = 1.0) -> dict[str, object]:
@@ -117,11 +118,13 @@ def test_writer_keeps_working_after_a_failed_save(tmp_path: Path) -> None:
             writer.save(1, _state(5.0)).result(timeout=30)
         writer.save(2, _state(2.0)).result(timeout=30)
     assert checkpointd.load(str(root), 1).state["model"]["w"][0, 0].item() == 1.0
-    assert sorted(os.listdir(root / "000000000001")) == [
-        "manifest.json",
-        "model.safetensors",
-        "model.tree.msgpack",
-    ]
+    assert sorted(os.listdir(root / "000000000001")) == sorted(
+        [
+            "manifest.json",
+            component_file(str(root), 1, "model"),
+            component_file(str(root), 1, "model", "tree"),
+        ]
+    )
 
 
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3", 10**12])
@@ -183,7 +186,7 @@ def test_files_are_readable_by_safetensors(tmp_path: Path) -> None:
     state = {"model": {"a.weight": torch.randn(3, 5), "b": torch.arange(4)}}
     with CheckpointWriter(str(tmp_path)) as writer:
         writer.save(1, state).result(timeout=30)
-    path = tmp_path / "000000000001" / "model.safetensors"
+    path = tmp_path / "000000000001" / component_file(str(tmp_path), 1, "model")
     with safetensors.safe_open(str(path), framework="pt") as f:
         assert set(f.keys()) == {"a.weight", "b"}
         assert torch.equal(f.get_tensor("a.weight"), state["model"]["a.weight"])
