@@ -47,8 +47,8 @@ def check_component_name(name: object) -> str:
     """Return ``name`` if it can name a component's files, else raise UnsupportedValueError."""
     if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
         raise UnsupportedValueError(
-            f"component name {name!r} must be 1-128 characters of letters, digits, '_' or '-', "
-            "not starting with '-'"
+            f"component name {name!r} must be 1-128 characters of ASCII letters, digits, '_' or "
+            "'-', not starting with '-'"
         )
     return name
 

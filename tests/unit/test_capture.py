@@ -118,3 +118,10 @@ def test_cuda_sources_are_staged_in_pinned_memory() -> None:
     assert torch.equal(_staged(buffer, component, "w"), (source - 1).cpu())
     assert buffer._arena is not None
     assert buffer._arena.is_pinned()
+
+
+@pytest.mark.parametrize("name", ["modèle", "naïve", "x\u00a0y", "\u0661"])
+def test_non_ascii_component_names_are_refused_saying_ascii(name: str) -> None:
+    with pytest.raises(UnsupportedValueError) as caught:
+        capture({name: torch.ones(1)}, StagingBuffer())
+    assert "ASCII letters, digits, '_' or '-'" in str(caught.value)
