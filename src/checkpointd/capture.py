@@ -199,6 +199,10 @@ class _Walker:
             plain.dtype,
             tuple(plain.shape),
             plain.stride(),
+            # A conjugate or negative view shares its base's memory but not its values;
+            # the staging copy resolves those bits, so the key must tell the views apart.
+            plain.is_conj(),
+            plain.is_neg(),
         )
         if plain.numel() > 0 and alias_key in self._aliases:
             return self._aliases[alias_key]

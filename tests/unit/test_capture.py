@@ -125,3 +125,21 @@ def test_non_ascii_component_names_are_refused_saying_ascii(name: str) -> None:
     with pytest.raises(UnsupportedValueError) as caught:
         capture({name: torch.ones(1)}, StagingBuffer())
     assert "ASCII letters, digits, '_' or '-'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda c: c.conj(),
+        torch._neg_view,
+        lambda c: c.conj().conj(),
+    ],
+    ids=["conj", "neg", "conj-conj"],
+)
+def test_conjugate_and_negative_views_are_not_aliased_to_their_base(view: Any) -> None:
+    base = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    buffer = StagingBuffer()
+    [component] = capture({"c": {"base": base, "view": view(base)}}, buffer)
+    stored = _staged(buffer, component, component.tree["view"].name)
+    assert torch.equal(stored, view(base).resolve_conj().resolve_neg())
+    assert torch.equal(_staged(buffer, component, component.tree["base"].name), base)
