@@ -9,9 +9,11 @@ builds containers, primitives and tensors. docs/format.md is the spec.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "DTYPE_CODES",
+    "MAX_TREE_DEPTH",
     "BigInt",
     "DTypeNode",
     "NumpyScalarNode",
@@ -33,7 +36,9 @@ __all__ = [
     "decode_tree",
     "encode_safetensors_header",
     "encode_tree",
+    "numpy_scalar_node",
     "parse_safetensors_header",
+    "shape_fits",
     "tensor_file_name",
     "tree_file_name",
 ]
@@ -62,6 +67,10 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 MAX_HEADER_BYTES = 256 * 2**20
+# Containers nest at most this deep in a tree (the component's own container is level 1).
+# Capture refuses deeper states and readers refuse deeper trees as corrupt; it is far
+# below what Python's recursion limit and msgspec's encoder and decoder allow.
+MAX_TREE_DEPTH = 64
 _HEADER_ALIGN = 8
 
 
@@ -129,13 +138,63 @@ class DTypeNode:
 
 
 class NumpyScalarNode:
-    """A NumPy scalar, stored as its dtype string and raw bytes."""
+    """A NumPy scalar, stored as its dtype string (``dtype.str``) and raw bytes."""
 
     __slots__ = ("data", "dtype")
 
     def __init__(self, dtype: str, data: bytes) -> None:
         self.dtype = dtype
         self.data = data
+
+
+# What ``dtype.str`` looks like for the scalar kinds a tree stores: bool, signed and
+# unsigned ints, floats (longdouble included), complex, timedelta, datetime, str_, bytes_.
+# Object and void (structured) scalars are refused: they have no exact byte form.
+_NPSCALAR_DTYPE = re.compile(r"[<>|=][biufcmMUS][0-9]{1,9}(\[[0-9]*[A-Za-z]+\])?\Z")
+
+
+def numpy_scalar_node(value: np.generic) -> NumpyScalarNode | None:
+    """The node that stores ``value`` exactly (type and value), or None if none can.
+
+    ``np.str_`` and ``np.bytes_`` are stored as NumPy stores them (UCS-4 code
+    points and raw bytes), so a ``np.str_`` may hold any code point.
+    """
+    dtype = value.dtype
+    if dtype.hasobject or not _NPSCALAR_DTYPE.match(dtype.str):
+        return None
+    # An empty np.str_ has itemsize 0 yet tobytes() returns one NUL code point.
+    return NumpyScalarNode(dtype.str, value.tobytes() if dtype.itemsize else b"")
+
+
+@functools.lru_cache(maxsize=256)
+def _numpy_scalar_dtype(name: str) -> np.dtype[Any] | None:
+    """The dtype a stored NumPy scalar names, or None if a tree may not hold it."""
+    if not _NPSCALAR_DTYPE.match(name):
+        return None
+    try:
+        return np.dtype(name)
+    except (TypeError, ValueError):  # the pattern admits strings NumPy refuses ("|b9")
+        return None
+
+
+def _decode_numpy_scalar(pair: Any, where: str) -> np.generic:
+    if not (
+        type(pair) is list
+        and len(pair) == 2
+        and type(pair[0]) is str
+        and type(pair[1]) is bytes
+        and (dtype := _numpy_scalar_dtype(pair[0])) is not None
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed NumPy scalar")
+    raw = pair[1]
+    if len(raw) != dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: NumPy scalar of dtype {dtype.str} has {len(raw)} bytes, not {dtype.itemsize}"
+        )
+    if not raw:  # only an empty np.str_ or np.bytes_
+        empty: np.generic = dtype.type()
+        return empty
+    return np.frombuffer(raw, dtype=dtype)[0]  # type: ignore[no-any-return]
 
 
 _EXT_TENSOR = 1
@@ -203,8 +262,7 @@ def decode_tree(
         if code == _EXT_DTYPE:
             return _dtype_by_name(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
-            dtype, raw = decoder.decode(payload)
-            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+            return _decode_numpy_scalar(decoder.decode(payload), where)
         raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
 
     decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=ext_hook)
@@ -319,6 +377,25 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
             f"{where}: {data_size - position} trailing bytes after tensors"
         )
     return entries
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def shape_fits(shape: Sequence[int]) -> bool:
+    """True if no dimension is negative and their product, a zero counted as one, fits int64.
+
+    The rule for every stored tensor, empty ones included: torch computes strides
+    as such products, so a larger shape cannot be viewed even with no elements.
+    """
+    product = 1
+    for dim in shape:
+        if dim < 0:
+            return False
+        product *= max(dim, 1)
+        if product > _INT64_MAX:
+            return False
+    return True
 
 
 def check_storable(dtype: torch.dtype, path: str) -> None:
