@@ -251,14 +251,17 @@ def decode_tree(
             tensor = tensors[name]
             return tensor.numpy() if code == _EXT_NDARRAY else tensor
         if code == _EXT_TUPLE:
-            return tuple(decoder.decode(payload))
+            items = decoder.decode(payload)
+            if not isinstance(items, list):
+                raise CorruptCheckpointError(f"{where}: a tuple's payload is not an array")
+            return tuple(items)
         if code == _EXT_BIGINT:
-            return int(bytes(payload).decode())
+            digits = bytes(payload)
+            if not _BIGINT.match(digits):
+                raise CorruptCheckpointError(f"{where}: malformed big integer")
+            return int(digits)
         if code == _EXT_STATE_DICT:
-            items, metadata = decoder.decode(payload)
-            state: OrderedDict[Any, Any] = OrderedDict(items)
-            state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
-            return state
+            return _state_dict(decoder.decode(payload), where)
         if code == _EXT_DTYPE:
             return _dtype_by_name(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
@@ -267,16 +270,87 @@ def decode_tree(
 
     decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=ext_hook)
     try:
-        return decoder.decode(data)
+        tree = decoder.decode(data)
     except CorruptCheckpointError:
         raise
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+        ) from None
     except (msgspec.DecodeError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from exc
+    _check_decoded(tree, where)
+    return tree
+
+
+# ASCII decimal digits with an optional "-", at most the digits int() accepts by default.
+_BIGINT = re.compile(rb"-?[0-9]{1,4300}\Z")
+# The exact types decoding builds (NumPy scalars aside); anything else is refused.
+_CONTAINER_TYPES = frozenset({dict, list, tuple, OrderedDict})
+_LEAF_TYPES = frozenset(
+    {type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, np.ndarray}
+)
+_LEAF_SUBCLASSES = (np.generic, torch.Tensor, np.ndarray)
+_KEY_TYPES = frozenset({str, int})
+
+
+def _state_dict(payload: Any, where: str) -> OrderedDict[Any, Any]:
+    """A module state dict from ``[[[key, value], ...], [[prefix, versions], ...]]``."""
+    if not (isinstance(payload, list) and len(payload) == 2):
+        raise CorruptCheckpointError(f"{where}: malformed module state dict")
+    parts: list[OrderedDict[Any, Any]] = []
+    for pairs in payload:
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int) for p in pairs
+        ):
+            raise CorruptCheckpointError(f"{where}: malformed module state dict")
+        parts.append(OrderedDict(pairs))
+    state, metadata = parts
+    state._metadata = metadata  # type: ignore[attr-defined]
+    return state
+
+
+def _check_decoded(tree: Any, where: str) -> None:
+    """Refuse what capture never writes: containers nested deeper than MAX_TREE_DEPTH,
+    map keys other than str and int, and values of any other type (msgpack timestamps).
+
+    Iterative, so a deep tree cannot exhaust the stack here.
+    """
+    stack: list[tuple[Any, int]] = [([tree], 0)]  # a list around the root, at level 0
+    push = stack.append
+    containers, leaves = _CONTAINER_TYPES, _LEAF_TYPES
+    while stack:
+        value, level = stack.pop()
+        if level > MAX_TREE_DEPTH:
+            raise CorruptCheckpointError(
+                f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+            )
+        if isinstance(value, dict):
+            if not {type(key) for key in value} <= _KEY_TYPES:
+                raise CorruptCheckpointError(f"{where}: a map key is neither str nor int")
+            metadata = getattr(value, "_metadata", None) if type(value) is not dict else None
+            if metadata is not None:  # a module state dict's, one level below it
+                push((metadata, level + 1))
+            value = value.values()
+        for item in value:
+            kind = type(item)
+            if kind in leaves:
+                continue
+            if kind in containers:
+                push((item, level + 1))
+            elif not isinstance(item, _LEAF_SUBCLASSES):
+                raise CorruptCheckpointError(
+                    f"{where}: value of type {kind.__name__} in state tree"
+                )
+
+
+# Looked up in torch's namespace directly: getattr(torch, name) may import submodules.
+_DTYPES_BY_NAME = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 def _dtype_by_name(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _DTYPES_BY_NAME.get(name)
+    if dtype is None:
         raise CorruptCheckpointError(f"{where}: unknown dtype name {name!r}")
     return dtype
 
@@ -342,7 +416,7 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
     """
     try:
         raw = msgspec.json.decode(header.rstrip(b" "))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed safetensors header ({exc})") from exc
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not an object")
@@ -357,8 +431,11 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
         dtype = DTYPES_BY_CODE.get(item.dtype)
         if dtype is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {item.dtype!r} for {name!r}")
-        if any(d < 0 for d in item.shape):
-            raise CorruptCheckpointError(f"{where}: negative dimension for {name!r}")
+        if not shape_fits(item.shape):
+            raise CorruptCheckpointError(
+                f"{where}: shape {item.shape} of {name!r} has a negative dimension or "
+                "dimensions whose product does not fit 64 bits"
+            )
         begin, end = item.data_offsets
         expected = math.prod(item.shape) * dtype.itemsize
         if not 0 <= begin <= end <= data_size or end - begin != expected:
