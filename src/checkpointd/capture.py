@@ -268,8 +268,8 @@ class _Walker:
                 f"{where}: shape {shape} is too large to store (the product of "
                 "its dimensions, zeros counted as one, must fit 64 bits)"
             )
-        # A conjugate or negative view shares its base's memory but not its values;
-        # staging copies resolve those bits, so they must tell the views apart.
+        # A conjugate or negative view shares its base's memory but not its values,
+        # so the key must tell it apart from its base.
         alias_key = (
             plain.device,
             plain.untyped_storage().data_ptr(),
@@ -284,7 +284,12 @@ class _Walker:
             return self._aliases[alias_key]
         name = self._unique_name(path)
         self._aliases[alias_key] = name
-        self.sources.append(_Source(name, plain, numel * plain.element_size()))
+        source = plain
+        if (plain.is_conj() or plain.is_neg()) and plain.device.type != "cpu":
+            # A non-blocking device-to-host copy_ applies these bits on the host before
+            # the transfer lands (pytorch/pytorch#146286): resolve them on the device.
+            source = plain.resolve_conj().resolve_neg()
+        self.sources.append(_Source(name, source, numel * plain.element_size()))
         return name
 
     def _unique_name(self, path: tuple[str, ...]) -> str:

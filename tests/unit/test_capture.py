@@ -143,3 +143,23 @@ def test_conjugate_and_negative_views_are_not_aliased_to_their_base(view: Any) -
     stored = _staged(buffer, component, component.tree["view"].name)
     assert torch.equal(stored, view(base).resolve_conj().resolve_neg())
     assert torch.equal(_staged(buffer, component, component.tree["base"].name), base)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_cuda_conjugate_and_negative_views_are_staged_resolved() -> None:
+    base = torch.randn(4096, dtype=torch.complex64, device="cuda")
+    real = torch.randn(4096, device="cuda")
+    state = {
+        "c": {
+            "base": base,
+            "conj": base.conj(),
+            "neg": torch._neg_view(real),
+            "imag": base.conj().imag,
+        }
+    }
+    buffer = StagingBuffer()
+    [component] = capture(state, buffer)
+    for key, value in state["c"].items():
+        stored = _staged(buffer, component, component.tree[key].name)
+        assert torch.equal(stored, value.resolve_conj().resolve_neg().cpu()), key
