@@ -22,6 +22,7 @@ import torch
 from checkpointd.directio import DIRECT_ALIGN
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
+    MAX_TREE_DEPTH,
     BigInt,
     DTypeNode,
     NumpyScalarNode,
@@ -30,6 +31,8 @@ from checkpointd.format import (
     TensorRef,
     TupleNode,
     check_storable,
+    numpy_scalar_node,
+    shape_fits,
 )
 from checkpointd.stateful import component_state
 
@@ -38,6 +41,8 @@ __all__ = ["CapturedComponent", "StagingBuffer", "capture", "check_component_nam
 _COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}\Z")
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
+# Wider ints are stored as decimal text; Python refuses to print more than 4300 digits.
+_BIGINT_MAX_BITS = 4096
 # Components start on 4 KiB boundaries of a 4 KiB-aligned arena, so their data
 # regions can be written with direct I/O (see directio.py).
 _REGION_ALIGN = DIRECT_ALIGN
@@ -47,8 +52,8 @@ def check_component_name(name: object) -> str:
     """Return ``name`` if it can name a component's files, else raise UnsupportedValueError."""
     if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
         raise UnsupportedValueError(
-            f"component name {name!r} must be 1-128 characters of letters, digits, '_' or '-', "
-            "not starting with '-'"
+            f"component name {name!r} must be 1-128 characters of ASCII letters, digits, '_' or "
+            "'-', not starting with '-'"
         )
     return name
 
@@ -120,64 +125,128 @@ class _Walker:
         self._aliases: dict[tuple[Any, ...], str] = {}
         self._active: set[int] = set()
 
-    def walk(self, value: Any, path: tuple[str, ...]) -> Any:
-        if value is None or isinstance(value, (bool, float, str, bytes)):
+    def walk(self, value: Any, path: tuple[str, ...], level: int = 0) -> Any:
+        """The storable form of ``value``, which sits inside ``level`` containers.
+
+        Exact types first: NumPy's float64, str_ and bytes_ subclass float, str
+        and bytes, and must stay NumPy scalars. Other subclasses of int, float,
+        str and bytes (IntEnum, a str subclass) are stored as the plain value and
+        load as int, float, str or bytes.
+        """
+        kind = type(value)
+        if value is None or kind is bool or kind is float or kind is bytes:
             return value
-        if isinstance(value, int):
-            if _MSGPACK_INT_MIN <= value <= _MSGPACK_INT_MAX:
-                return int(value)
-            return BigInt(int(value))
+        if kind is str:
+            return self._text(value, path, "string")
+        if kind is int:
+            return self._int(value, path)
         if isinstance(value, torch.Tensor):
             return TensorRef(self._add_tensor(value, path))
         if isinstance(value, np.ndarray):
-            return TensorRef(
-                self._add_tensor(_numpy_to_tensor(value, self._where(path)), path), True
-            )
+            return TensorRef(self._add_tensor(self._array(value, path), path), True)
         if isinstance(value, np.generic):
             return self._numpy_scalar(value, path)
+        if isinstance(value, int):
+            return self._int(int.__int__(value), path)
+        if isinstance(value, float):
+            return float.__float__(value)
+        if isinstance(value, str):
+            return self._text(str.__str__(value), path, "string")
+        if isinstance(value, bytes):
+            return bytes.__bytes__(value)
         if isinstance(value, torch.dtype):
             return DTypeNode(str(value).removeprefix("torch."))
         if isinstance(value, (Mapping, list, tuple)):
-            return self._container(value, path)
+            return self._container(value, path, level + 1)
         raise UnsupportedValueError(
             f"{self._where(path)}: values of type {type(value).__qualname__} cannot be stored; "
             "use tensors, arrays, JSON-like primitives, or an object with state_dict()"
         )
 
     def _container(
-        self, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], path: tuple[str, ...]
+        self,
+        value: Mapping[Any, Any] | list[Any] | tuple[Any, ...],
+        path: tuple[str, ...],
+        level: int,
     ) -> Any:
+        if level > MAX_TREE_DEPTH:
+            prefix = self._where(path[:8]) + ("/..." if len(path) > 8 else "")
+            raise UnsupportedValueError(
+                f"{prefix}: the state is nested deeper than "
+                f"{MAX_TREE_DEPTH} containers (dicts, lists, tuples), the most a checkpoint "
+                "holds; flatten it or keep deep data in a tensor"
+            )
         if id(value) in self._active:
             raise UnsupportedValueError(f"{self._where(path)}: the state contains a cycle")
         self._active.add(id(value))
         try:
             if isinstance(value, Mapping):
                 items = {
-                    self._key(k, path): self.walk(v, (*path, str(k))) for k, v in value.items()
+                    self._key(k, path): self.walk(v, (*path, str(k)), level)
+                    for k, v in value.items()
                 }
                 metadata = getattr(value, "_metadata", None)
                 if isinstance(metadata, Mapping):
-                    return StateDictNode(items, self.walk(dict(metadata), (*path, "_metadata")))
+                    # _metadata sits one level below the state dict, as it does when loaded.
+                    meta = self.walk(dict(metadata), (*path, "_metadata"), level)
+                    return StateDictNode(items, meta)
                 return items
-            items_list = [self.walk(v, (*path, str(i))) for i, v in enumerate(value)]
+            items_list = [self.walk(v, (*path, str(i)), level) for i, v in enumerate(value)]
             return TupleNode(items_list) if isinstance(value, tuple) else items_list
         finally:
             self._active.discard(id(value))
 
     def _key(self, key: Any, path: tuple[str, ...]) -> Any:
+        """A dict key as stored: a plain str or a 64-bit int (subclasses become those)."""
         if isinstance(key, str):
-            return key
+            return self._text(str.__str__(key), path, "dict key")
         if isinstance(key, int) and _MSGPACK_INT_MIN <= key <= _MSGPACK_INT_MAX:
-            return int(key)
+            return int.__int__(key)
         raise UnsupportedValueError(
             f"{self._where(path)}: dict key {key!r} of type {type(key).__qualname__} cannot be "
             "stored; keys must be str or int"
         )
 
+    def _text(self, text: str, path: tuple[str, ...], what: str) -> str:
+        """``text`` if it is valid Unicode; a lone surrogate (what os.fsdecode makes of a
+        non-UTF-8 file name) has no UTF-8 form, so it is refused here, not in the background.
+        """
+        if not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                shown = repr(text[:80]) + ("..." if len(text) > 80 else "")
+                raise UnsupportedValueError(
+                    f"{self._where(path)}: {what} {shown} has a lone surrogate, which cannot be "
+                    "stored; keep file names as bytes (os.fsencode) or decode with "
+                    "errors='replace'"
+                ) from None
+        return text
+
+    def _int(self, value: int, path: tuple[str, ...]) -> int | BigInt:
+        if _MSGPACK_INT_MIN <= value <= _MSGPACK_INT_MAX:
+            return value
+        if value.bit_length() > _BIGINT_MAX_BITS:
+            raise UnsupportedValueError(
+                f"{self._where(path)}: integers wider than {_BIGINT_MAX_BITS} bits cannot be stored"
+            )
+        return BigInt(value)
+
+    def _array(self, value: np.ndarray, path: tuple[str, ...]) -> torch.Tensor:
+        if isinstance(value, np.ma.MaskedArray):
+            raise UnsupportedValueError(
+                f"{self._where(path)}: masked arrays cannot be stored (the mask would be lost); "
+                "store .data and .mask"
+            )
+        return _numpy_to_tensor(value, self._where(path))
+
     def _numpy_scalar(self, value: np.generic, path: tuple[str, ...]) -> NumpyScalarNode:
-        if value.dtype.hasobject or value.dtype.kind in "OUSV":
-            raise UnsupportedValueError(f"{self._where(path)}: NumPy scalar of dtype {value.dtype}")
-        return NumpyScalarNode(value.dtype.str, value.tobytes())
+        node = numpy_scalar_node(value)
+        if node is None:
+            raise UnsupportedValueError(
+                f"{self._where(path)}: NumPy scalar of dtype {value.dtype} cannot be stored"
+            )
+        return node
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
         where = self._where(path)
@@ -192,19 +261,35 @@ class _Walker:
         if plain.device.type == "meta":
             raise UnsupportedValueError(f"{where}: meta tensors hold no data to store")
         check_storable(plain.dtype, where)
+        shape = tuple(plain.shape)
+        numel = plain.numel()
+        if numel == 0 and not shape_fits(shape):  # a non-empty shape fits: numel is an int64
+            raise UnsupportedValueError(
+                f"{where}: shape {shape} is too large to store (the product of "
+                "its dimensions, zeros counted as one, must fit 64 bits)"
+            )
+        # A conjugate or negative view shares its base's memory but not its values,
+        # so the key must tell it apart from its base.
         alias_key = (
             plain.device,
             plain.untyped_storage().data_ptr(),
             plain.storage_offset(),
             plain.dtype,
-            tuple(plain.shape),
+            shape,
             plain.stride(),
+            plain.is_conj(),
+            plain.is_neg(),
         )
-        if plain.numel() > 0 and alias_key in self._aliases:
+        if numel > 0 and alias_key in self._aliases:
             return self._aliases[alias_key]
         name = self._unique_name(path)
         self._aliases[alias_key] = name
-        self.sources.append(_Source(name, plain, plain.numel() * plain.element_size()))
+        source = plain
+        if (plain.is_conj() or plain.is_neg()) and plain.device.type != "cpu":
+            # A non-blocking device-to-host copy_ applies these bits on the host before
+            # the transfer lands (pytorch/pytorch#146286): resolve them on the device.
+            source = plain.resolve_conj().resolve_neg()
+        self.sources.append(_Source(name, source, numel * plain.element_size()))
         return name
 
     def _unique_name(self, path: tuple[str, ...]) -> str:

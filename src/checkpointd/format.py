@@ -9,9 +9,11 @@ builds containers, primitives and tensors. docs/format.md is the spec.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "DTYPE_CODES",
+    "MAX_TREE_DEPTH",
     "BigInt",
     "DTypeNode",
     "NumpyScalarNode",
@@ -33,7 +36,9 @@ __all__ = [
     "decode_tree",
     "encode_safetensors_header",
     "encode_tree",
+    "numpy_scalar_node",
     "parse_safetensors_header",
+    "shape_fits",
     "tensor_file_name",
     "tree_file_name",
 ]
@@ -62,6 +67,10 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 MAX_HEADER_BYTES = 256 * 2**20
+# Containers nest at most this deep in a tree (the component's own container is level 1).
+# Capture refuses deeper states and readers refuse deeper trees as corrupt; it is far
+# below what Python's recursion limit and msgspec's encoder and decoder allow.
+MAX_TREE_DEPTH = 64
 _HEADER_ALIGN = 8
 
 
@@ -129,13 +138,63 @@ class DTypeNode:
 
 
 class NumpyScalarNode:
-    """A NumPy scalar, stored as its dtype string and raw bytes."""
+    """A NumPy scalar, stored as its dtype string (``dtype.str``) and raw bytes."""
 
     __slots__ = ("data", "dtype")
 
     def __init__(self, dtype: str, data: bytes) -> None:
         self.dtype = dtype
         self.data = data
+
+
+# What ``dtype.str`` looks like for the scalar kinds a tree stores: bool, signed and
+# unsigned ints, floats (longdouble included), complex, timedelta, datetime, str_, bytes_.
+# Object and void (structured) scalars are refused: they have no exact byte form.
+_NPSCALAR_DTYPE = re.compile(r"[<>|=][biufcmMUS][0-9]{1,9}(\[[0-9]*[A-Za-z]+\])?\Z")
+
+
+def numpy_scalar_node(value: np.generic) -> NumpyScalarNode | None:
+    """The node that stores ``value`` exactly (type and value), or None if none can.
+
+    ``np.str_`` and ``np.bytes_`` are stored as NumPy stores them (UCS-4 code
+    points and raw bytes), so a ``np.str_`` may hold any code point.
+    """
+    dtype = value.dtype
+    if dtype.hasobject or not _NPSCALAR_DTYPE.match(dtype.str):
+        return None
+    # An empty np.str_ has itemsize 0 yet tobytes() returns one NUL code point.
+    return NumpyScalarNode(dtype.str, value.tobytes() if dtype.itemsize else b"")
+
+
+@functools.lru_cache(maxsize=256)
+def _numpy_scalar_dtype(name: str) -> np.dtype[Any] | None:
+    """The dtype a stored NumPy scalar names, or None if a tree may not hold it."""
+    if not _NPSCALAR_DTYPE.match(name):
+        return None
+    try:
+        return np.dtype(name)
+    except (TypeError, ValueError):  # the pattern admits strings NumPy refuses ("|b9")
+        return None
+
+
+def _decode_numpy_scalar(pair: Any, where: str) -> np.generic:
+    if not (
+        type(pair) is list
+        and len(pair) == 2
+        and type(pair[0]) is str
+        and type(pair[1]) is bytes
+        and (dtype := _numpy_scalar_dtype(pair[0])) is not None
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed NumPy scalar")
+    raw = pair[1]
+    if len(raw) != dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: NumPy scalar of dtype {dtype.str} has {len(raw)} bytes, not {dtype.itemsize}"
+        )
+    if not raw:  # only an empty np.str_ or np.bytes_
+        empty: np.generic = dtype.type()
+        return empty
+    return np.frombuffer(raw, dtype=dtype)[0]  # type: ignore[no-any-return]
 
 
 _EXT_TENSOR = 1
@@ -192,33 +251,106 @@ def decode_tree(
             tensor = tensors[name]
             return tensor.numpy() if code == _EXT_NDARRAY else tensor
         if code == _EXT_TUPLE:
-            return tuple(decoder.decode(payload))
+            items = decoder.decode(payload)
+            if not isinstance(items, list):
+                raise CorruptCheckpointError(f"{where}: a tuple's payload is not an array")
+            return tuple(items)
         if code == _EXT_BIGINT:
-            return int(bytes(payload).decode())
+            digits = bytes(payload)
+            if not _BIGINT.match(digits):
+                raise CorruptCheckpointError(f"{where}: malformed big integer")
+            return int(digits)
         if code == _EXT_STATE_DICT:
-            items, metadata = decoder.decode(payload)
-            state: OrderedDict[Any, Any] = OrderedDict(items)
-            state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
-            return state
+            return _state_dict(decoder.decode(payload), where)
         if code == _EXT_DTYPE:
             return _dtype_by_name(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
-            dtype, raw = decoder.decode(payload)
-            return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+            return _decode_numpy_scalar(decoder.decode(payload), where)
         raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
 
     decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=ext_hook)
     try:
-        return decoder.decode(data)
+        tree = decoder.decode(data)
     except CorruptCheckpointError:
         raise
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+        ) from None
     except (msgspec.DecodeError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from exc
+    _check_decoded(tree, where)
+    return tree
+
+
+# ASCII decimal digits with an optional "-", at most the digits int() accepts by default.
+_BIGINT = re.compile(rb"-?[0-9]{1,4300}\Z")
+# The exact types decoding builds (NumPy scalars aside); anything else is refused.
+_CONTAINER_TYPES = frozenset({dict, list, tuple, OrderedDict})
+_LEAF_TYPES = frozenset(
+    {type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, np.ndarray}
+)
+_LEAF_SUBCLASSES = (np.generic, torch.Tensor, np.ndarray)
+_KEY_TYPES = frozenset({str, int})
+
+
+def _state_dict(payload: Any, where: str) -> OrderedDict[Any, Any]:
+    """A module state dict from ``[[[key, value], ...], [[prefix, versions], ...]]``."""
+    if not (isinstance(payload, list) and len(payload) == 2):
+        raise CorruptCheckpointError(f"{where}: malformed module state dict")
+    parts: list[OrderedDict[Any, Any]] = []
+    for pairs in payload:
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int) for p in pairs
+        ):
+            raise CorruptCheckpointError(f"{where}: malformed module state dict")
+        parts.append(OrderedDict(pairs))
+    state, metadata = parts
+    state._metadata = metadata  # type: ignore[attr-defined]
+    return state
+
+
+def _check_decoded(tree: Any, where: str) -> None:
+    """Refuse what capture never writes: containers nested deeper than MAX_TREE_DEPTH,
+    map keys other than str and int, and values of any other type (msgpack timestamps).
+
+    Iterative, so a deep tree cannot exhaust the stack here.
+    """
+    stack: list[tuple[Any, int]] = [([tree], 0)]  # a list around the root, at level 0
+    push = stack.append
+    containers, leaves = _CONTAINER_TYPES, _LEAF_TYPES
+    while stack:
+        value, level = stack.pop()
+        if level > MAX_TREE_DEPTH:
+            raise CorruptCheckpointError(
+                f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+            )
+        if isinstance(value, dict):
+            if not {type(key) for key in value} <= _KEY_TYPES:
+                raise CorruptCheckpointError(f"{where}: a map key is neither str nor int")
+            metadata = getattr(value, "_metadata", None) if type(value) is not dict else None
+            if metadata is not None:  # a module state dict's, one level below it
+                push((metadata, level + 1))
+            value = value.values()
+        for item in value:
+            kind = type(item)
+            if kind in leaves:
+                continue
+            if kind in containers:
+                push((item, level + 1))
+            elif not isinstance(item, _LEAF_SUBCLASSES):
+                raise CorruptCheckpointError(
+                    f"{where}: value of type {kind.__name__} in state tree"
+                )
+
+
+# Looked up in torch's namespace directly: getattr(torch, name) may import submodules.
+_DTYPES_BY_NAME = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 def _dtype_by_name(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _DTYPES_BY_NAME.get(name)
+    if dtype is None:
         raise CorruptCheckpointError(f"{where}: unknown dtype name {name!r}")
     return dtype
 
@@ -284,7 +416,7 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
     """
     try:
         raw = msgspec.json.decode(header.rstrip(b" "))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed safetensors header ({exc})") from exc
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not an object")
@@ -299,8 +431,11 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
         dtype = DTYPES_BY_CODE.get(item.dtype)
         if dtype is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {item.dtype!r} for {name!r}")
-        if any(d < 0 for d in item.shape):
-            raise CorruptCheckpointError(f"{where}: negative dimension for {name!r}")
+        if not shape_fits(item.shape):
+            raise CorruptCheckpointError(
+                f"{where}: shape {item.shape} of {name!r} has a negative dimension or "
+                "dimensions whose product does not fit 64 bits"
+            )
         begin, end = item.data_offsets
         expected = math.prod(item.shape) * dtype.itemsize
         if not 0 <= begin <= end <= data_size or end - begin != expected:
@@ -319,6 +454,25 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
             f"{where}: {data_size - position} trailing bytes after tensors"
         )
     return entries
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def shape_fits(shape: Sequence[int]) -> bool:
+    """True if no dimension is negative and their product, a zero counted as one, fits int64.
+
+    The rule for every stored tensor, empty ones included: torch computes strides
+    as such products, so a larger shape cannot be viewed even with no elements.
+    """
+    product = 1
+    for dim in shape:
+        if dim < 0:
+            return False
+        product *= max(dim, 1)
+        if product > _INT64_MAX:
+            return False
+    return True
 
 
 def check_storable(dtype: torch.dtype, path: str) -> None:

@@ -118,3 +118,48 @@ def test_cuda_sources_are_staged_in_pinned_memory() -> None:
     assert torch.equal(_staged(buffer, component, "w"), (source - 1).cpu())
     assert buffer._arena is not None
     assert buffer._arena.is_pinned()
+
+
+@pytest.mark.parametrize("name", ["modèle", "naïve", "x\u00a0y", "\u0661"])
+def test_non_ascii_component_names_are_refused_saying_ascii(name: str) -> None:
+    with pytest.raises(UnsupportedValueError) as caught:
+        capture({name: torch.ones(1)}, StagingBuffer())
+    assert "ASCII letters, digits, '_' or '-'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda c: c.conj(),
+        torch._neg_view,
+        lambda c: c.conj().conj(),
+    ],
+    ids=["conj", "neg", "conj-conj"],
+)
+def test_conjugate_and_negative_views_are_not_aliased_to_their_base(view: Any) -> None:
+    base = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    buffer = StagingBuffer()
+    [component] = capture({"c": {"base": base, "view": view(base)}}, buffer)
+    stored = _staged(buffer, component, component.tree["view"].name)
+    assert torch.equal(stored, view(base).resolve_conj().resolve_neg())
+    assert torch.equal(_staged(buffer, component, component.tree["base"].name), base)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_cuda_conjugate_and_negative_views_are_staged_resolved() -> None:
+    base = torch.randn(4096, dtype=torch.complex64, device="cuda")
+    real = torch.randn(4096, device="cuda")
+    state = {
+        "c": {
+            "base": base,
+            "conj": base.conj(),
+            "neg": torch._neg_view(real),
+            "imag": base.conj().imag,
+        }
+    }
+    buffer = StagingBuffer()
+    [component] = capture(state, buffer)
+    for key, value in state["c"].items():
+        stored = _staged(buffer, component, component.tree[key].name)
+        assert torch.equal(stored, value.resolve_conj().resolve_neg().cpu()), key

@@ -23,7 +23,9 @@ from checkpointd.format import (
     encode_safetensors_header,
     encode_tree,
     header_length,
+    numpy_scalar_node,
     parse_safetensors_header,
+    shape_fits,
 )
 
 
@@ -136,3 +138,38 @@ def test_unknown_extension_type_is_corrupt() -> None:
 def test_garbage_tree_is_corrupt() -> None:
     with pytest.raises(CorruptCheckpointError):
         decode_tree(b"\xc1\xff\x00", {}, where="t")
+
+
+@pytest.mark.parametrize(
+    ("shape", "fits"),
+    [
+        ((), True),
+        ((0,), True),
+        ((2**63 - 1,), True),
+        ((2**63,), False),
+        ((0, 2**63 - 1), True),
+        ((0, 2**62, 2), False),
+        ((3, 2**62, 0), False),
+        ((0, 2**62, 2**62), False),
+        ((-1, 0), False),
+        ((2, -2), False),
+    ],
+)
+def test_shape_fits_counts_zeros_as_one(shape: tuple[int, ...], fits: bool) -> None:
+    assert shape_fits(shape) is fits
+
+
+def test_empty_numpy_strings_round_trip() -> None:
+    tree = {"s": np.str_(""), "b": np.bytes_(b"")}
+    nodes = {k: numpy_scalar_node(v) for k, v in tree.items()}
+    out = decode_tree(encode_tree(nodes), {}, where="t")
+    assert type(out["s"]) is np.str_
+    assert out["s"] == ""
+    assert type(out["b"]) is np.bytes_
+    assert out["b"] == b""
+
+
+def test_object_and_void_scalars_have_no_node() -> None:
+    record = np.zeros(1, dtype=[("a", "i4")])[0]
+    assert numpy_scalar_node(record) is None
+    assert numpy_scalar_node(np.void(b"\x00\x01")) is None
