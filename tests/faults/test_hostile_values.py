@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 import checkpointd
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format import MAX_TREE_DEPTH, decode_tree, parse_safetensors_header
-from tests.faults.test_hostile_input import TENSORS, _replace_file, _save
+from tests.faults.test_hostile_input import _replace_file, _save
+from tests.support.files import component_file
 
-TREE = "model.tree.msgpack"
 Ext = msgspec.msgpack.Ext
 
 
@@ -131,7 +131,7 @@ def _checked(root: str) -> None:
 def test_hostile_tree_file_is_corrupt(tmp_path: Path, case: str) -> None:
     root = str(tmp_path / "ckpt")
     _save(root)
-    _replace_file(root, TREE, HOSTILE_TREES[case])
+    _replace_file(root, component_file(root, 1, "model", "tree"), HOSTILE_TREES[case])
     _checked(root)
 
 
@@ -139,7 +139,7 @@ def test_hostile_tree_file_is_corrupt(tmp_path: Path, case: str) -> None:
 def test_hostile_tensor_header_is_corrupt(tmp_path: Path, case: str) -> None:
     root = str(tmp_path / "ckpt")
     _save(root)
-    _replace_file(root, TENSORS, HOSTILE_HEADERS[case])
+    _replace_file(root, component_file(root, 1, "model"), HOSTILE_HEADERS[case])
     _checked(root)
 
 
