@@ -16,12 +16,14 @@ from checkpointd.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     RestoreMismatchError,
+    StepOrderError,
     StorageError,
     StorageFullError,
     StorageNotFoundError,
     StoragePermissionError,
     UnsupportedValueError,
     WriterClosedError,
+    WrongThreadError,
 )
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.progress import TrainingProgress
@@ -45,6 +47,7 @@ __all__ = [
     "RestoreMismatchError",
     "RetentionPolicy",
     "SaveHandle",
+    "StepOrderError",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
@@ -52,6 +55,7 @@ __all__ = [
     "TrainingProgress",
     "UnsupportedValueError",
     "WriterClosedError",
+    "WrongThreadError",
     "__version__",
     "list_checkpoints",
     "load",

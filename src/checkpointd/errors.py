@@ -9,12 +9,14 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "RestoreMismatchError",
+    "StepOrderError",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
     "StoragePermissionError",
     "UnsupportedValueError",
     "WriterClosedError",
+    "WrongThreadError",
 ]
 
 
@@ -47,7 +49,15 @@ class RestoreMismatchError(CheckpointError):
 
 
 class WriterClosedError(CheckpointError, RuntimeError):
-    """The writer was used after it was closed."""
+    """The writer was used after it was closed, or in a process that inherited it through fork."""
+
+
+class WrongThreadError(CheckpointError, RuntimeError):
+    """A blocking call was made on the writer's own event-loop thread, where it would hang."""
+
+
+class StepOrderError(CheckpointError, ValueError):
+    """A save's step is not newer than a committed checkpoint (see the writer's ``newer_steps``)."""
 
 
 class StorageError(CheckpointError, OSError):
