@@ -16,12 +16,15 @@ from checkpointd.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     RestoreMismatchError,
+    StepOrderError,
+    StorageCapabilityWarning,
     StorageError,
     StorageFullError,
     StorageNotFoundError,
     StoragePermissionError,
     UnsupportedValueError,
     WriterClosedError,
+    WrongThreadError,
 )
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.progress import TrainingProgress
@@ -45,6 +48,8 @@ __all__ = [
     "RestoreMismatchError",
     "RetentionPolicy",
     "SaveHandle",
+    "StepOrderError",
+    "StorageCapabilityWarning",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
@@ -52,6 +57,7 @@ __all__ = [
     "TrainingProgress",
     "UnsupportedValueError",
     "WriterClosedError",
+    "WrongThreadError",
     "__version__",
     "list_checkpoints",
     "load",

@@ -11,6 +11,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "RestoreMismatchError",
+    "StepOrderError",
     "StorageCapabilityWarning",
     "StorageError",
     "StorageFullError",
@@ -18,6 +19,7 @@ __all__ = [
     "StoragePermissionError",
     "UnsupportedValueError",
     "WriterClosedError",
+    "WrongThreadError",
 ]
 
 
@@ -50,7 +52,15 @@ class RestoreMismatchError(CheckpointError):
 
 
 class WriterClosedError(CheckpointError, RuntimeError):
-    """The writer was used after it was closed."""
+    """The writer was used after it was closed, or in a process that inherited it through fork."""
+
+
+class WrongThreadError(CheckpointError, RuntimeError):
+    """A blocking call was made on the writer's own event-loop thread, where it would hang."""
+
+
+class StepOrderError(CheckpointError, ValueError):
+    """A save's step is not newer than a committed checkpoint (see the writer's ``newer_steps``)."""
 
 
 class StorageError(CheckpointError, OSError):

@@ -23,6 +23,7 @@ __all__ = ["TrainingProgress"]
 
 T = TypeVar("T")
 
+DEFAULT_HISTORY_LIMIT = 1000
 _KEYS = ("epoch", "step", "batch_in_epoch", "samples_seen", "history", "epoch_start_generator")
 
 
@@ -31,12 +32,26 @@ class TrainingProgress:
 
     ``epoch``, ``step`` (batches trained in total), ``batch_in_epoch`` (batches of
     the current epoch already handed out), ``samples_seen`` and ``history``
-    (metric name -> one value per ``record`` call). Save it with the model:
+    (metric name -> one value per ``record`` call, the newest ``history_limit``
+    of them). Save it with the model:
     ``writer.save(step, {"model": model, ..., "progress": progress})``. Use it
     from the training thread only.
+
+    ``history`` is copied at every save on the training thread, so it is bounded:
+    each metric keeps its newest ``history_limit`` values (default 1000; older
+    ones are dropped as new ones come). ``None`` keeps everything, and each save
+    then grows with the run (100k values cost about 80 ms of blocked time per
+    save). Loading a checkpoint with a longer history keeps its newest values.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, history_limit: int | None = DEFAULT_HISTORY_LIMIT) -> None:
+        if history_limit is not None and (
+            isinstance(history_limit, bool)
+            or not isinstance(history_limit, int)
+            or history_limit < 0
+        ):
+            raise ValueError(f"history_limit must be an int >= 0 or None, not {history_limit!r}")
+        self.history_limit = history_limit
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
@@ -86,10 +101,14 @@ class TrainingProgress:
         self._epoch_start = None if generator is None else generator.get_state()
 
     def record(self, samples: int = 0, **metrics: float) -> None:
-        """Count ``samples`` more samples seen and append each metric to ``history``."""
+        """Count ``samples`` more samples seen and append each metric to ``history``
+        (dropping its oldest value beyond ``history_limit``)."""
         self.samples_seen += samples
         for name, value in metrics.items():
-            self.history.setdefault(name, []).append(float(value))
+            values = self.history.setdefault(name, [])
+            values.append(float(value))
+            if self.history_limit is not None and len(values) > self.history_limit:
+                del values[: len(values) - self.history_limit]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values, plus the epoch-start generator state (a uint8 tensor) if any."""
@@ -112,7 +131,11 @@ class TrainingProgress:
         """Take the saved progress (checked first; nothing changes if it is refused)."""
         self.check_state_dict(state_dict)
         start = state_dict["epoch_start_generator"]
-        history = {str(k): [float(x) for x in v] for k, v in state_dict["history"].items()}
+        keep = self.history_limit
+        history = {
+            str(k): [float(x) for x in (v if keep is None else v[len(v) - keep :])]
+            for k, v in state_dict["history"].items()
+        }
         self.epoch = int(state_dict["epoch"])
         self.step = int(state_dict["step"])
         self.batch_in_epoch = int(state_dict["batch_in_epoch"])

@@ -67,7 +67,7 @@ def test_writer_keeps_the_union_of_its_rules_and_removes_whole_folders(any_root:
 
 
 def test_saving_an_older_step_than_the_newest_does_not_delete_it(local_root: Root) -> None:
-    with checkpointd.CheckpointWriter(local_root.url, keep_last=1) as writer:
+    with checkpointd.CheckpointWriter(local_root.url, keep_last=1, newer_steps="keep") as writer:
         writer.save(100, state(100)).result(timeout=60)
         info = writer.save(50, state(50)).result(timeout=60)
         assert visible(local_root) == [50, 100]  # 100 is the newest, 50 was just committed

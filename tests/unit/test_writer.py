@@ -56,15 +56,18 @@ def test_max_pending_one_means_save_waits_for_the_previous_write(tmp_path: Path)
     assert checkpointd.load(str(tmp_path), 2).state["model"]["w"][0, 0].item() == 2.0
 
 
-def _broken_root(tmp_path: Path) -> str:
-    """A root below a regular file: creating the step folder fails with ENOTDIR."""
-    blocker = tmp_path / "file"
-    blocker.write_bytes(b"x")
-    return str(blocker / "root")
+def _broken_writer(tmp_path: Path) -> CheckpointWriter:
+    """A writer whose root becomes a regular file once it has started: creating the step
+    folder fails with ENOTDIR in the background (a root that is a file at start is
+    refused by the constructor)."""
+    root = tmp_path / "root"
+    writer = CheckpointWriter(str(root))
+    root.write_bytes(b"x")
+    return writer
 
 
 def test_failure_is_raised_by_result_and_then_not_again_by_wait(tmp_path: Path) -> None:
-    with CheckpointWriter(_broken_root(tmp_path)) as writer:
+    with _broken_writer(tmp_path) as writer:
         handle = writer.save(1, _state())
         with pytest.raises(StorageError):
             handle.result(timeout=30)
@@ -74,7 +77,7 @@ def test_failure_is_raised_by_result_and_then_not_again_by_wait(tmp_path: Path) 
 
 
 def test_unseen_failure_is_raised_by_wait(tmp_path: Path) -> None:
-    with CheckpointWriter(_broken_root(tmp_path)) as writer:
+    with _broken_writer(tmp_path) as writer:
         writer.save(1, _state())
         with pytest.raises(StorageError, match="create folder"):
             writer.wait()
@@ -82,7 +85,7 @@ def test_unseen_failure_is_raised_by_wait(tmp_path: Path) -> None:
 
 
 def test_unseen_failure_is_raised_by_the_next_save(tmp_path: Path) -> None:
-    with CheckpointWriter(_broken_root(tmp_path)) as writer:
+    with _broken_writer(tmp_path) as writer:
         first = writer.save(1, _state())
         while not first.done():
             first._done.wait(0.05)
@@ -92,7 +95,7 @@ def test_unseen_failure_is_raised_by_the_next_save(tmp_path: Path) -> None:
 
 
 def test_unseen_failure_is_raised_at_close(tmp_path: Path) -> None:
-    writer = CheckpointWriter(_broken_root(tmp_path))
+    writer = _broken_writer(tmp_path)
     writer.save(1, _state())
     with pytest.raises(StorageError):
         writer.close()
@@ -102,7 +105,7 @@ def test_unseen_failure_is_raised_at_close(tmp_path: Path) -> None:
 
 def test_body_exception_is_not_masked_by_a_background_failure(tmp_path: Path) -> None:
     def train() -> None:
-        with CheckpointWriter(_broken_root(tmp_path)) as writer:
+        with _broken_writer(tmp_path) as writer:
             writer.save(1, _state())
             raise KeyError("from the training loop")
 
@@ -222,7 +225,8 @@ def test_async_writer_surfaces_failures(tmp_path: Path) -> None:
     import anyio
 
     async def main() -> None:
-        async with checkpointd.AsyncCheckpointWriter(_broken_root(tmp_path)) as writer:
+        async with checkpointd.AsyncCheckpointWriter(str(tmp_path / "root")) as writer:
+            (tmp_path / "root").write_bytes(b"x")
             handle = await writer.save(1, _state())
             with pytest.raises(StorageError):
                 await handle.wait()
@@ -234,7 +238,8 @@ def test_async_writer_raises_unseen_failure_on_exit(tmp_path: Path) -> None:
     import anyio
 
     async def main() -> None:
-        async with checkpointd.AsyncCheckpointWriter(_broken_root(tmp_path)) as writer:
+        async with checkpointd.AsyncCheckpointWriter(str(tmp_path / "root")) as writer:
+            (tmp_path / "root").write_bytes(b"x")
             await writer.save(1, _state())
 
     with pytest.raises(StorageError):
@@ -260,7 +265,8 @@ def test_unclosed_writer_finishes_its_saves_at_exit(tmp_path: Path) -> None:
 def test_unclosed_writer_reports_an_unseen_failure_at_exit(tmp_path: Path) -> None:
     done = _run_script(
         "import checkpointd, torch\n"
-        f"w = checkpointd.CheckpointWriter({_broken_root(tmp_path)!r})\n"
+        f"w = checkpointd.CheckpointWriter({str(tmp_path / 'root')!r})\n"
+        f"open({str(tmp_path / 'root')!r}, 'wb').close()\n"
         "w.save(1, {'m': {'w': torch.ones(3)}})\n"
     )
     assert "checkpointd: unclosed writer" in done.stderr
@@ -300,8 +306,8 @@ def test_background_niceness_lowers_only_the_writers_threads(tmp_path: Path) -> 
 
     with CheckpointWriter(str(tmp_path), background_niceness=7) as writer:
         writer.save(1, _state()).result(timeout=30)
-        loop_thread = writer._portal.call(threading.get_native_id)
-        worker_thread = writer._portal.call(anyio.to_thread.run_sync, threading.get_native_id)
+        loop_thread = writer._loop.call(threading.get_native_id)
+        worker_thread = writer._loop.call(anyio.to_thread.run_sync, threading.get_native_id)
         niceness = _thread_niceness()
     assert niceness[loop_thread] == 7
     assert niceness[worker_thread] == 7  # spawned by the loop thread, so it inherits

@@ -1,0 +1,188 @@
+"""The background half of a writer: one service task on an event loop writes snapshots in order.
+
+Also what the writer knows about committed steps: the newest one, read once
+when the writer starts, and the deletion of newer steps after a rollback
+(``newer_steps="discard"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from checkpointd import catalog, lifecycle
+from checkpointd.capture import StagingBuffer
+from checkpointd.commit import Snapshot, _delete_checkpoint, apply_retention, write_snapshot
+from checkpointd.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    WriterClosedError,
+)
+from checkpointd.handle import Failures, SaveHandle, first_leaf
+from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.retention import RetentionPolicy, WriterIdentity
+from checkpointd.storage import Store
+
+__all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
+
+NewerSteps = Literal["error", "keep", "discard"]
+
+
+def newest_committed(store: Store) -> int | None:
+    """The newest step whose manifest reads back, or None: one listing, then usually one
+    manifest read. A damaged manifest is skipped (readers skip it too); one of a newer
+    schema counts (a newer checkpointd committed it). Blocking; any thread."""
+    for step in reversed(catalog.step_folders(store)):
+        try:
+            catalog.read_manifest(store, step)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue
+        except IncompatibleCheckpointError:
+            return step
+        return step
+    return None
+
+
+def discard_newer(store: Store, step: int) -> list[int]:
+    """Delete every committed checkpoint newer than ``step``, newest first (each manifest
+    first); folders without a manifest (saves in flight, leftovers) are left to gc.
+    Returns the deleted steps. Worker thread (blocking)."""
+    deleted: list[int] = []
+    for newer in reversed(catalog.step_folders(store)):
+        if newer <= step:
+            break
+        if store.exists(f"{step_dirname(newer)}/{MANIFEST_NAME}"):
+            _delete_checkpoint(store, newer)
+            deleted.append(newer)
+    return deleted
+
+
+class WriteService:
+    """Lives on one event loop and writes snapshots in order.
+
+    ``newest`` is the newest committed step the writer knows of: set by the writer
+    before the service starts, then updated on the loop after each commit (read by
+    the caller thread without a lock: one attribute, written before the handle resolves).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        policy: RetentionPolicy,
+        max_pending: int,
+        max_concurrency: int,
+        newer_steps: NewerSteps = "error",
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.identity = WriterIdentity()  # recorded in its manifests; see retention
+        self.max_pending = max_pending
+        self.max_concurrency = max_concurrency
+        self.newer_steps = newer_steps
+        self.newest: int | None = None
+        self.loop_thread: int | None = None
+        self.failures = Failures()
+        self._generation = lifecycle.generation()
+        self._buffers = [StagingBuffer() for _ in range(max_pending)]
+        self._free: (
+            tuple[MemoryObjectSendStream[StagingBuffer], MemoryObjectReceiveStream[StagingBuffer]]
+            | None
+        ) = None
+        self._queue: (
+            tuple[
+                MemoryObjectSendStream[tuple[Snapshot, SaveHandle]],
+                MemoryObjectReceiveStream[tuple[Snapshot, SaveHandle]],
+            ]
+            | None
+        ) = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve queued snapshots until ``stop()``; reports started once it accepts saves."""
+        self.loop_thread = threading.get_ident()
+        limiter = anyio.CapacityLimiter(self.max_concurrency)
+        self._free = anyio.create_memory_object_stream[StagingBuffer](self.max_pending)
+        for buffer in self._buffers:
+            self._free[0].send_nowait(buffer)
+        self._queue = anyio.create_memory_object_stream[tuple[Snapshot, SaveHandle]](
+            self.max_pending
+        )
+        task_status.started()
+        async with self._queue[1] as queue, self._free[0], self._free[1]:
+            async for snapshot, handle in queue:
+                await self._write(snapshot, handle, limiter)
+
+    async def _write(
+        self, snapshot: Snapshot, handle: SaveHandle, limiter: anyio.CapacityLimiter
+    ) -> None:
+        """Write one snapshot, discard newer steps if asked, run retention, then resolve its
+        handle (in that order)."""
+        if lifecycle.inherited(self._generation):
+            # A fork child running a copy of the caller's loop: the save is the parent's.
+            self.release_buffer(snapshot.buffer)
+            handle._resolve(None, WriterClosedError("the writer was inherited through fork()"))
+            return
+        try:
+            try:
+                info = await write_snapshot(self.store, snapshot, limiter, identity=self.identity)
+            finally:
+                self.release_buffer(snapshot.buffer)  # the next save may capture now
+        except Exception as exc:
+            error = first_leaf(exc)
+            self.failures.add(error)
+            handle._resolve(None, error)
+            return
+        except BaseException:
+            handle._resolve(None, WriterClosedError("the writer stopped during this save"))
+            raise
+        try:
+            if self.newer_steps == "discard":
+                self.newest = info.step
+                await anyio.to_thread.run_sync(
+                    discard_newer, self.store, info.step, limiter=limiter
+                )
+            else:
+                self.newest = max(info.step, -1 if self.newest is None else self.newest)
+            # After the discard: retention must not count the abandoned steps as the newest.
+            await apply_retention(
+                self.store, self.policy, limiter, committed_step=info.step, identity=self.identity
+            )
+        except Exception as exc:
+            # The checkpoint is committed; the failure is reported on its own.
+            self.failures.add(first_leaf(exc))
+        finally:
+            handle._resolve(info, None)
+
+    async def acquire_buffer(self) -> StagingBuffer:
+        """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
+        assert self._free is not None
+        return await self._free[1].receive()
+
+    def release_buffer(self, buffer: StagingBuffer) -> None:
+        """Return a buffer to the pool; on the event loop."""
+        assert self._free is not None
+        self._free[0].send_nowait(buffer)
+
+    async def submit(self, snapshot: Snapshot, handle: SaveHandle) -> None:
+        """Queue a captured snapshot; never blocks (the queue holds max_pending)."""
+        assert self._queue is not None
+        handle._failures = self.failures
+        await self._queue[0].send((snapshot, handle))
+
+    async def stop(self) -> None:
+        """Let queued saves finish, then end ``run``."""
+        if self._queue is not None:
+            await self._queue[0].aclose()
+
+    def close_store(self) -> None:
+        """Release the store's resources once the service has stopped."""
+        self.store.close()
+
+    def take_unseen_error(self) -> BaseException | None:
+        """The oldest error nobody has seen raised, marked seen (for the exit report)."""
+        return self.failures.take_first()

@@ -1,0 +1,216 @@
+"""The writer's lifetime: dropped without close(), Ctrl-C inside save(), calls from the wrong thread."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+import checkpointd
+from checkpointd import CheckpointWriter, SaveHandle
+from tests.support.gates import hold_local_writes
+
+
+def _state(value: float = 1.0) -> dict[str, object]:
+    return {"model": {"w": torch.full((64,), value)}}
+
+
+def _steps(root: Path) -> list[int]:
+    return [c.step for c in checkpointd.list_checkpoints(str(root))]
+
+
+# --- a writer dropped without close() -------------------------------------------------
+
+
+def _new_writer(root: Path) -> tuple[CheckpointWriter, threading.Thread]:
+    """A writer and the event-loop thread it started."""
+    before = set(threading.enumerate())
+    writer = CheckpointWriter(str(root))
+    (loop_thread,) = set(threading.enumerate()) - before
+    return writer, loop_thread
+
+
+def _save_and_drop(root: Path) -> tuple[SaveHandle, threading.Thread]:
+    """Save with a writer held only here; return the handle and the writer's loop thread."""
+    writer, loop_thread = _new_writer(root)
+    return writer.save(3, _state()), loop_thread
+
+
+def test_dropped_writer_warns_and_still_commits_its_pending_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+    # The writer dies when _save_and_drop returns (or at the collection, if in a cycle).
+    with pytest.warns(ResourceWarning, match=r"dropped without close\(\).*1 save"):  # noqa: PT031
+        handle, loop_thread = _save_and_drop(tmp_path)
+        gc.collect()
+    assert not handle.done()
+    gate.set()
+    assert handle.result(timeout=60).step == 3  # before the fix: WriterClosedError
+    loop_thread.join(60)
+    assert not loop_thread.is_alive()  # the dropped writer closed itself once done
+    assert _steps(tmp_path) == [3]
+
+
+def test_dropped_writer_without_handle_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+    with pytest.warns(ResourceWarning):  # noqa: PT031 - as above
+        _, loop_thread = _save_and_drop(tmp_path)
+        gc.collect()
+    gate.set()
+    loop_thread.join(60)
+    assert not loop_thread.is_alive()
+    assert _steps(tmp_path) == [3]
+
+
+def test_dropped_idle_writer_is_closed_quietly(tmp_path: Path) -> None:
+    writer, loop_thread = _new_writer(tmp_path)
+    writer.save(1, _state()).result(timeout=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del writer
+        gc.collect()
+    loop_thread.join(60)
+    assert not loop_thread.is_alive()
+
+
+def test_writer_dropped_by_a_returning_function_commits_before_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import checkpointd, torch
+
+        def train():
+            writer = checkpointd.CheckpointWriter({str(tmp_path)!r})
+            for step in (100, 200, 300):
+                writer.save(step, {{"m": {{"w": torch.full((1000,), float(step))}}}})
+
+        train()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=90, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert _steps(tmp_path) == [100, 200, 300]  # before the fix: [100, 200], 300 lost
+    assert checkpointd.load(str(tmp_path)).state["m"]["w"][0].item() == 300.0
+
+
+# --- Ctrl-C while save() waits for a staging buffer ------------------------------------
+
+
+def _interrupt_main_once_save_waits(writer: CheckpointWriter) -> threading.Thread:
+    """From a helper thread: SIGINT the main thread once a save() is waiting for a buffer."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def waiting() -> int:
+        # Read from this thread: a racy but harmless peek at the loop's free-buffer stream.
+        free = writer._service._free
+        assert free is not None
+        return free[1].statistics().tasks_waiting_receive
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polls the loop's state: there is no event to wait on
+        signal.pthread_kill(main, signal.SIGINT)
+
+    helper = threading.Thread(target=run)
+    helper.start()
+    return helper
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
+)
+def test_ctrl_c_while_save_waits_for_a_buffer_leaves_the_writer_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+    writer = CheckpointWriter(str(tmp_path), max_pending=1)
+    first = writer.save(1, _state(1.0))  # holds the only buffer until the gate opens
+    helper = _interrupt_main_once_save_waits(writer)
+    with pytest.raises(KeyboardInterrupt):
+        writer.save(2, _state(2.0))
+    helper.join()
+    gate.set()
+    assert first.result(timeout=60).step == 1
+    # The "save a last checkpoint on Ctrl-C" save: before the fix it waited forever for
+    # the buffer the interrupted call had taken anyway.
+    last: list[checkpointd.CheckpointInfo] = []
+    saver = threading.Thread(target=lambda: last.append(writer.save(2, _state(2.0)).result(60)))
+    saver.start()
+    saver.join(30)
+    assert last, "the next save() was blocked: the buffer leaked"
+    assert last[0].step == 2
+    writer.close()
+    assert _steps(tmp_path) == [1, 2]
+    assert checkpointd.load(str(tmp_path), 2).state["model"]["w"][0].item() == 2.0
+
+
+# --- calls from the writer's own event-loop thread -------------------------------------
+
+
+def test_result_on_the_sync_writers_loop_thread_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+    with CheckpointWriter(str(tmp_path)) as writer:
+        handle = writer.save(1, _state())
+        with pytest.raises(checkpointd.WrongThreadError, match="event loop thread"):
+            writer._loop.call(handle.result, 5)
+        gate.set()
+        assert handle.result(timeout=60).step == 1
+        assert writer._loop.call(handle.result).step == 1  # resolved: fine on any thread
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_result_on_the_loop_thread_raises_instead_of_deadlocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+
+    async def main() -> None:
+        async with checkpointd.AsyncCheckpointWriter(str(tmp_path)) as writer:
+            handle = await writer.save(1, _state())
+            # Before the fix: blocks the loop that would resolve it (here: TimeoutError).
+            with pytest.raises(checkpointd.CheckpointError, match=r"await handle\.wait") as error:
+                handle.result(timeout=5)
+            assert error.type.__name__ == "WrongThreadError"
+            gate.set()
+            assert (await handle.wait()).step == 1
+            assert handle.result().step == 1
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_wait_takes_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    gate = hold_local_writes(monkeypatch)
+
+    async def main() -> None:
+        async with checkpointd.AsyncCheckpointWriter(str(tmp_path)) as writer:
+            handle = await writer.save(1, _state())
+            with pytest.raises(TimeoutError, match=r"still running after 0\.2s"):
+                await writer.wait(timeout=0.2)
+            assert not handle.done()  # the save goes on
+            gate.set()
+            await writer.wait(timeout=60)
+            assert handle.done()
+
+    anyio.run(main, backend=backend)
+    assert _steps(tmp_path) == [1]
