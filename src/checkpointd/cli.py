@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from checkpointd.retention import RetentionPolicy
     from checkpointd.storage import Store
 
-__all__ = ["build_parser", "main", "progress_bar", "storage_options"]
+__all__ = ["build_parser", "main", "progress_bar", "say", "storage_options"]
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -179,6 +179,20 @@ def progress_bar(total: int, mode: Literal["auto", "always", "never"], stream: T
     )
 
 
+def say(bar: Any, line: str) -> None:
+    """Print ``line`` on stdout; around the bar (cleared, then redrawn) once it is shown.
+
+    tqdm.write would redraw a bar that is still inside its delay, and that bar is
+    then never finished with a newline.
+    """
+    shown = not bar.disable and bar.last_print_t >= bar.start_t + bar.delay
+    if shown:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
+
+
 def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     """The (step, manifest) pairs to verify, and the manifests that failed to read."""
     from checkpointd import catalog
@@ -212,13 +226,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 checked += 1
                 done += manifest.nbytes
                 status = "ok" if not bad else f"FAILED ({len(bad)} bad file(s))"
-                bar.write(
+                say(
+                    bar,
                     f"step {step}: {len(manifest.files)} files, {_size(manifest.nbytes)}: {status}",
-                    file=sys.stdout,
                 )
                 for line in bad:
-                    bar.write(f"  bad file {line}", file=sys.stdout)
-                sys.stdout.flush()
+                    say(bar, f"  bad file {line}")
                 failures.extend(bad)
     if failures:
         print(

@@ -422,6 +422,7 @@ def test_progress_bar_shows_bytes_rate_and_time_left() -> None:
     quiet = io.StringIO()
     with cli.progress_bar(100, "auto", quiet) as auto:
         auto.update(50)  # well under the 1 s delay: nothing shown for short work
+        cli.say(auto, "step 1: ok")  # a result line must not draw the waiting bar
     assert quiet.getvalue() == ""
     never = io.StringIO()
     with cli.progress_bar(100, "never", never) as off:
