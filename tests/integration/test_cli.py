@@ -451,3 +451,23 @@ def test_storage_options_nest_and_parse_json() -> None:
         "skip_instance_cache": True,
         "config_kwargs": {"retries": {"max_attempts": 2}},
     }
+
+
+def test_export_writes_tied_tensors_once_per_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """save_file refuses two names over one memory: an aliased tensor is copied per name."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "ckpt")
+    shared = torch.arange(6.0)
+    state = {"model": {"embed": shared, "head": shared, "bias": torch.ones(2), "n": 3}}
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.save(1, state).result(timeout=60)
+    target = str(tmp_path / "out.safetensors")
+    assert cli.main(["export", root, "--component", "model", "--to", target]) == 0
+    assert "3 tensors (1 non-tensor values left out)" in capsys.readouterr().out
+    saved = load_file(target)
+    assert sorted(saved) == ["bias", "embed", "head"]
+    assert torch.equal(saved["embed"], shared)
+    assert torch.equal(saved["head"], shared)
