@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from checkpointd.tree import flatten, walk
+
 MiB = 2**20
 GB = 10**9
 
@@ -89,13 +91,11 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     """Every tensor in a state (modules and optimizers through their state_dict)."""
     if hasattr(value, "state_dict"):
         value = value.state_dict()
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_of(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_of(v)]
-    return []
+    return [
+        leaf
+        for _, leaf in walk(plain_state(value) if isinstance(value, Mapping) else value)
+        if isinstance(leaf, torch.Tensor)
+    ]
 
 
 def plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,26 +171,8 @@ def safetensors_save_fsync(path: Path, tensors: dict[str, torch.Tensor]) -> floa
 
 def flat_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A flat name -> tensor dict of a (nested) state, tied tensors once (safetensors needs it)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-
-    def visit(prefix: str, value: Any) -> None:
-        if hasattr(value, "state_dict"):
-            value = value.state_dict()
-        if isinstance(value, torch.Tensor):
-            key = (value.untyped_storage().data_ptr(), value.storage_offset())
-            if key not in seen:
-                seen.add(key)
-                out[prefix] = value.contiguous()
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                visit(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                visit(f"{prefix}.{i}", v)
-
-    visit("", dict(state))
-    return out
+    tensors, _ = flatten(plain_state(state), unique=True)
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
 def drop_cache(path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from checkpointd import tree as trees
 from checkpointd.directio import DIRECT_ALIGN
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
@@ -185,8 +186,8 @@ class _Walker:
                     self._key(k, path): self.walk(v, (*path, str(k)), level)
                     for k, v in value.items()
                 }
-                metadata = getattr(value, "_metadata", None)
-                if isinstance(metadata, Mapping):
+                metadata = trees.metadata(value)
+                if metadata is not None:
                     # _metadata sits one level below the state dict, as it does when loaded.
                     meta = self.walk(dict(metadata), (*path, "_metadata"), level)
                     return StateDictNode(items, meta)
@@ -268,18 +269,7 @@ class _Walker:
                 f"{where}: shape {shape} is too large to store (the product of "
                 "its dimensions, zeros counted as one, must fit 64 bits)"
             )
-        # A conjugate or negative view shares its base's memory but not its values,
-        # so the key must tell it apart from its base.
-        alias_key = (
-            plain.device,
-            plain.untyped_storage().data_ptr(),
-            plain.storage_offset(),
-            plain.dtype,
-            shape,
-            plain.stride(),
-            plain.is_conj(),
-            plain.is_neg(),
-        )
+        alias_key = trees.alias_key(plain)
         if numel > 0 and alias_key in self._aliases:
             return self._aliases[alias_key]
         name = self._unique_name(path)

@@ -1,13 +1,18 @@
 """The catalog of a root: which steps are committed, and their manifests.
 
 A step folder counts only if its manifest exists and decodes; folders without
-one (saves in progress, crashed saves) are never listed. Blocking; any thread.
+one (saves in progress, crashed saves) are never listed. ``scan`` is the one
+walk over a root's checkpoints: one listing, then manifests read lazily in step
+order, so a caller that wants the newest stops after one read. Blocking; any
+thread. Imports no torch.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from checkpointd.errors import (
     CheckpointError,
@@ -23,11 +28,25 @@ from checkpointd.manifest import (
     decode_manifest,
     step_dirname,
 )
-from checkpointd.storage import Store
+from checkpointd.storage import Store, open_store
 
-__all__ = ["CheckpointWarning", "committed", "read_manifest", "step_folders", "step_path"]
+__all__ = [
+    "CheckpointWarning",
+    "committed",
+    "infos",
+    "list_checkpoints",
+    "newest",
+    "read_manifest",
+    "resolve",
+    "scan",
+    "step_folders",
+    "step_path",
+]
 
 _STEP_DIR = re.compile(r"\d{12}\Z")
+
+OnDamaged = Callable[[int, CheckpointError], None]
+"""Called with (step, error) for a manifest that exists but cannot be read."""
 
 
 class CheckpointWarning(UserWarning):
@@ -69,25 +88,76 @@ def read_manifest(store: Store, step: int) -> Manifest:
     return manifest
 
 
-def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Manifest]]:
-    """Every committed step with its manifest, ascending (or newest first).
+def warn_damaged(step: int, error: CheckpointError) -> None:
+    """The default for a damaged manifest: skip its step with a CheckpointWarning."""
+    warnings.warn(f"skipping step {step}: {error}", CheckpointWarning, stacklevel=3)
 
-    A manifest that exists but cannot be read (damaged, hostile, newer, or a
-    storage error) is skipped with a CheckpointWarning: it costs only its own step.
+
+def raise_damaged(step: int, error: CheckpointError) -> None:
+    """For tools that should show damage rather than skip it: raise the error."""
+    raise error
+
+
+def scan(
+    store: Store, *, newest_first: bool = True, on_damaged: OnDamaged = warn_damaged
+) -> Iterator[tuple[int, Manifest]]:
+    """Yield (step, manifest) of every committed step, newest first (or ascending).
+
+    One listing of the root; each manifest is read only when the caller asks for
+    the next item, so stopping after the first costs one manifest read when the
+    newest is intact. A folder without a manifest is skipped silently; a manifest
+    that exists but cannot be read (damaged, hostile, newer, a storage error) goes
+    to ``on_damaged`` (default: a CheckpointWarning) and costs only its own step.
     """
-    found: list[tuple[int, Manifest]] = []
-    for step in step_folders(store):
+    steps = step_folders(store)
+    for step in reversed(steps) if newest_first else steps:
         try:
-            found.append((step, read_manifest(store, step)))
+            manifest = read_manifest(store, step)
         except CheckpointNotFoundError:
             continue
         except CheckpointError as exc:
-            warnings.warn(f"skipping step {step}: {exc}", CheckpointWarning, stacklevel=2)
-    if newest_first:
-        found.reverse()
-    return found
+            on_damaged(step, exc)
+            continue
+        yield step, manifest
+
+
+def newest(store: Store, *, on_damaged: OnDamaged = warn_damaged) -> tuple[int, Manifest]:
+    """(step, manifest) of the newest committed step; CheckpointNotFoundError if none."""
+    for found in scan(store, on_damaged=on_damaged):
+        return found
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint under {store.url}; save one first or check the path"
+    )
+
+
+def resolve(
+    store: Store, step: int | None, *, on_damaged: OnDamaged = warn_damaged
+) -> tuple[int, Manifest]:
+    """(step, manifest) of ``step``, or of the newest committed step when it is None."""
+    if step is not None:
+        return step, read_manifest(store, step)
+    return newest(store, on_damaged=on_damaged)
+
+
+def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Manifest]]:
+    """Every committed step with its manifest, ascending (or newest first); see ``scan``."""
+    return list(scan(store, newest_first=newest_first))
 
 
 def infos(store: Store) -> list[CheckpointInfo]:
-    """CheckpointInfo of every committed step, ascending by step."""
-    return [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in committed(store)]
+    """CheckpointInfo of every committed step, ascending by step (reads every manifest)."""
+    return [
+        CheckpointInfo.from_manifest(m, step_path(store, s))
+        for s, m in scan(store, newest_first=False)
+    ]
+
+
+def list_checkpoints(
+    root: str, *, storage_options: Mapping[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Every committed checkpoint under ``root``, ascending by step."""
+    store = open_store(str(root), storage_options)
+    try:
+        return infos(store)
+    finally:
+        store.close()

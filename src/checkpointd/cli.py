@@ -10,26 +10,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, TYPE_CHECKING, Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from checkpointd.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from checkpointd.errors import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
-    import torch
-
-    from checkpointd.manifest import FileEntry, Manifest
     from checkpointd.retention import RetentionPolicy
     from checkpointd.storage import Store
 
-__all__ = ["Progress", "build_parser", "describe", "flat_tensors", "main", "storage_options"]
+__all__ = ["build_parser", "main", "progress_bar", "say", "storage_options"]
 
 Command = Callable[[argparse.Namespace], int]
-READ_CHUNK = 8 * 2**20
 
 
 def _storage_option(text: str) -> tuple[str, Any]:
@@ -77,7 +71,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     import msgspec
 
-    from checkpointd.restore import list_checkpoints
+    from checkpointd.catalog import list_checkpoints
 
     infos = list_checkpoints(args.root, storage_options=storage_options(args))
     if args.json:
@@ -121,85 +115,13 @@ def _open(args: argparse.Namespace) -> Iterator[Store]:
         store.close()
 
 
-def _manifest(store: Store, step: int | None) -> tuple[int, Manifest]:
-    """(step, manifest) of ``step``, or of the newest step folder that has a manifest.
-
-    Unlike ``load``, a newest manifest that is damaged is an error here, not skipped:
-    these are the tools that should show it.
-    """
-    from checkpointd import catalog
-    from checkpointd.manifest import MANIFEST_NAME, step_dirname
-
-    if step is not None:
-        return step, catalog.read_manifest(store, step)
-    for found in reversed(catalog.step_folders(store)):
-        if store.exists(f"{step_dirname(found)}/{MANIFEST_NAME}"):
-            return found, catalog.read_manifest(store, found)
-    raise CheckpointNotFoundError(f"no committed checkpoint under {store.url}")
-
-
 # ---------------------------------------------------------------------------
 # inspect
 
 
-def describe(store: Store, step: int | None) -> dict[str, Any]:
-    """What ``inspect`` shows, as JSON-able data. Reads the manifest and tensor headers only."""
-    from checkpointd import catalog
-    from checkpointd.format import header_length, parse_safetensors_header
-    from checkpointd.manifest import step_dirname
-
-    found, manifest = _manifest(store, step)
-    folder = step_dirname(found)
-    where = catalog.step_path(store, found)
-    sizes = {f.path: f.size for f in manifest.files}
-    components: dict[str, Any] = {}
-    for name, entry in manifest.components.items():
-        tensors: list[dict[str, Any]] = []
-        for tensor_file in entry.tensors:
-            path, size = f"{folder}/{tensor_file}", sizes[tensor_file]
-            actual = store.size(path)
-            if actual != size:
-                raise CorruptCheckpointError(
-                    f"{where}/{tensor_file}: size {actual} does not match the manifest's {size}"
-                )
-            at = f"{where}/{tensor_file}"
-            length = header_length(store.read_bytes(path, 0, 8), size, where=at)
-            header = store.read_bytes(path, 8, length)
-            entries = parse_safetensors_header(header, size - 8 - length, where=at)
-            tensors.extend(
-                {
-                    "name": e.name,
-                    "dtype": str(e.dtype).removeprefix("torch."),
-                    "shape": list(e.shape),
-                    "nbytes": e.end - e.begin,
-                    "file": tensor_file,
-                }
-                for e in sorted(entries, key=lambda e: e.begin)
-            )
-        components[name] = {
-            "tree": entry.tree,
-            "tensor_files": list(entry.tensors),
-            "nbytes": entry.nbytes,
-            "tensors": tensors,
-        }
-    return {
-        "step": found,
-        "path": where,
-        "created_at": manifest.created_at.isoformat(),
-        "nbytes": manifest.nbytes,
-        "schema_version": manifest.schema_version,
-        "library_version": manifest.library_version,
-        "world_size": manifest.world_size,
-        "metrics": manifest.metrics,
-        "metadata": manifest.metadata,
-        "components": components,
-        "files": [
-            {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}"} for f in manifest.files
-        ],
-    }
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from checkpointd.describe import describe
+
     with _open(args) as store:
         info = describe(store, args.step)
     if args.json:
@@ -236,158 +158,88 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 # verify
 
 
-class Progress:
-    """Bytes done, rate and time left on ``stream`` (stderr), redrawn at most every so often.
+def progress_bar(total: int, mode: Literal["auto", "always", "never"], stream: TextIO) -> Any:
+    """A tqdm byte counter on ``stream`` (stderr): "auto" shows it once the work has
+    taken a second, "always" from the start, "never" not at all. On a terminal it
+    redraws in place; elsewhere at most every 5 s (unless "always")."""
+    from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
-    ``mode`` "auto" shows it only once the work has taken ``delay`` seconds,
-    "always" from the first update, "never" not at all. On a terminal the line
-    is redrawn in place (every 0.2 s); elsewhere each update is a new line (every 5 s).
+    tty = stream.isatty()
+    return tqdm(
+        total=total,
+        desc="verify",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=stream,
+        disable=mode == "never",
+        delay=0.0 if mode == "always" else 1.0,
+        mininterval=0.0 if mode == "always" else (0.2 if tty else 5.0),
+        dynamic_ncols=tty,
+    )
+
+
+def say(bar: Any, line: str) -> None:
+    """Print ``line`` on stdout; around the bar (cleared, then redrawn) once it is shown.
+
+    tqdm.write would redraw a bar that is still inside its delay, and that bar is
+    then never finished with a newline.
     """
-
-    def __init__(
-        self,
-        total: int,
-        stream: TextIO,
-        mode: Literal["auto", "always", "never"] = "auto",
-        delay: float = 1.0,
-    ) -> None:
-        self.total = total
-        self.done = 0
-        self.stream = stream
-        self.mode = mode
-        self.tty = stream.isatty()
-        self.delay = 0.0 if mode == "always" else delay
-        self.interval = 0.0 if mode == "always" else (0.2 if self.tty else 5.0)
-        self.started = time.monotonic()
-        self._drawn_at: float | None = None
-
-    def advance(self, nbytes: int) -> None:
-        """Count ``nbytes`` more as done; redraw if due."""
-        self.done += nbytes
-        if self.mode == "never":
-            return
-        now = time.monotonic()
-        if now - self.started < self.delay:
-            return
-        if self._drawn_at is not None and now - self._drawn_at < self.interval:
-            return
-        self._drawn_at = now
-        self._draw(now)
-
-    def line(self, now: float | None = None) -> str:
-        """The progress line: bytes done of total, percentage, rate and time left."""
-        elapsed = max((time.monotonic() if now is None else now) - self.started, 1e-9)
-        rate = self.done / elapsed
-        left = (self.total - self.done) / rate if rate > 0 else math.inf
-        percent = 100.0 * self.done / self.total if self.total else 100.0
-        eta = "?" if math.isinf(left) else f"{left:.0f} s"
-        return (
-            f"verify: {_size(self.done)} / {_size(self.total)} ({percent:3.0f}%), "
-            f"{_size(rate)}/s, {eta} left"
-        )
-
-    def _draw(self, now: float) -> None:
-        if self.tty:
-            self.stream.write(f"\r\x1b[K{self.line(now)}")
-        else:
-            self.stream.write(f"{self.line(now)}\n")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        """End the display with a final line, if anything was drawn."""
-        if self._drawn_at is not None:
-            self._draw(time.monotonic())
-            if self.tty:
-                self.stream.write("\n")
-            self.stream.flush()
+    shown = not bar.disable and bar.last_print_t >= bar.start_t + bar.delay
+    if shown:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
 
 
-def _verify_file(store: Store, folder: str, entry: FileEntry, progress: Progress) -> str | None:
-    """Read every byte of one file; return what is wrong with it, or None if it checks out."""
-    from checkpointd.checksum import crc32c
-    from checkpointd.errors import StorageNotFoundError
-
-    path = f"{folder}/{entry.path}"
-    try:
-        size = store.size(path)
-    except StorageNotFoundError:
-        return "listed in the manifest but missing"
-    if size != entry.size:
-        return f"size {size} does not match the manifest's {entry.size}"
-    buffer = bytearray(min(READ_CHUNK, size))
-    digest = 0
-    for offset in range(0, size, READ_CHUNK):
-        view = memoryview(buffer)[: min(READ_CHUNK, size - offset)]
-        store.read_into(path, view, offset)
-        digest = crc32c(view, digest)
-        progress.advance(len(view))
-    if digest != entry.crc32c:
-        return f"CRC32C {digest:08x} does not match the manifest's {entry.crc32c:08x}"
-    return None
-
-
-def _verify_targets(
-    store: Store, args: argparse.Namespace
-) -> tuple[list[tuple[int, Manifest]], list[str]]:
+def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     """The (step, manifest) pairs to verify, and the manifests that failed to read."""
     from checkpointd import catalog
-    from checkpointd.manifest import MANIFEST_NAME, step_dirname
 
     if not args.all:
-        return [_manifest(store, args.step)], []
-    targets: list[tuple[int, Manifest]] = []
+        return [catalog.resolve(store, args.step, on_damaged=catalog.raise_damaged)], []
     failures: list[str] = []
-    for step in catalog.step_folders(store):
-        if not store.exists(f"{step_dirname(step)}/{MANIFEST_NAME}"):
-            continue  # not a checkpoint: a save in progress or a leftover
-        try:
-            targets.append((step, catalog.read_manifest(store, step)))
-        except CheckpointError as exc:
-            print(f"step {step}: FAILED: {exc}", flush=True)
-            failures.append(str(exc))
+
+    def damaged(step: int, exc: CheckpointError) -> None:
+        print(f"step {step}: FAILED: {exc}", flush=True)
+        failures.append(str(exc))
+
+    targets = list(catalog.scan(store, newest_first=False, on_damaged=damaged))
     if not targets and not failures:
         raise CheckpointNotFoundError(f"no committed checkpoint under {store.url}")
     return targets, failures
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from checkpointd import catalog
-    from checkpointd.manifest import step_dirname
+    from checkpointd.reader import verify_step
 
-    checked = 0
+    checked = done = 0
     with _open(args) as store:
         targets, failures = _verify_targets(store, args)
         mode: Literal["auto", "always", "never"] = (
             "always" if args.progress else "never" if args.no_progress else "auto"
         )
-        progress = Progress(sum(m.nbytes for _, m in targets), sys.stderr, mode)
-        try:
+        with progress_bar(sum(m.nbytes for _, m in targets), mode, sys.stderr) as bar:
             for step, manifest in targets:
-                folder = step_dirname(step)
-                where = catalog.step_path(store, step)
-                bad: list[str] = []
-                for entry in manifest.files:
-                    problem = _verify_file(store, folder, entry, progress)
-                    if problem is not None:
-                        bad.append(f"{where}/{entry.path}: {problem}")
+                bad = verify_step(store, step, manifest, bar.update)
                 checked += 1
+                done += manifest.nbytes
                 status = "ok" if not bad else f"FAILED ({len(bad)} bad file(s))"
-                print(
+                say(
+                    bar,
                     f"step {step}: {len(manifest.files)} files, {_size(manifest.nbytes)}: {status}",
-                    flush=True,
                 )
                 for line in bad:
-                    print(f"  bad file {line}", flush=True)
+                    say(bar, f"  bad file {line}")
                 failures.extend(bad)
-        finally:
-            progress.finish()
     if failures:
         print(
             f"checkpointd verify: {len(failures)} failure(s); first: {failures[0]}",
             file=sys.stderr,
         )
         return 1
-    print(f"verified {checked} checkpoint(s), {_size(progress.done)}: all sizes and CRC32C match")
+    print(f"verified {checked} checkpoint(s), {_size(done)}: all sizes and CRC32C match")
     return 0
 
 
@@ -419,45 +271,38 @@ def _rules(policy: RetentionPolicy) -> str:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from checkpointd import catalog
-    from checkpointd.cleanup import remove_leftovers, scan_leftovers
-    from checkpointd.commit import _delete_checkpoint
-    from checkpointd.retention import plan_retention
+    from checkpointd.housekeeping import apply_gc, plan_gc
 
     policy = _policy(args)
     with _open(args) as store:
-        checkpoints = catalog.infos(store)
-        plan = plan_retention(checkpoints, policy)
+        plan = plan_gc(store, policy, older_than=args.older_than)
         print(f"retention ({_rules(policy)}):")
-        for info in checkpoints:
-            if info.step in plan.reasons:
-                print(f"  keep    step {info.step:>10}  ({', '.join(plan.reasons[info.step])})")
+        for info in plan.checkpoints:
+            if info.step in plan.retention.reasons:
+                reasons = ", ".join(plan.retention.reasons[info.step])
+                print(f"  keep    step {info.step:>10}  ({reasons})")
             else:
                 print(f"  delete  step {info.step:>10}  {_size(info.nbytes)}")
-        if not checkpoints:
+        if not plan.checkpoints:
             print("  no committed checkpoints")
-        if plan.unranked:
-            steps = ", ".join(map(str, plan.unranked))
+        if plan.retention.unranked:
+            steps = ", ".join(map(str, plan.retention.unranked))
             print(
                 f"  note: no metric {policy.best_metric!r} at steps {steps}: keep_best skips them"
             )
-        scan = scan_leftovers(store, older_than=args.older_than)
-        leftovers = scan.leftovers
-        for problem in scan.problems:
+        for problem in plan.problems:
             print(f"checkpointd gc: {problem}", file=sys.stderr)
         print(f"leftovers (untouched for {args.older_than:g} s or more, no live writer):")
-        for leftover in leftovers:
+        for leftover in plan.leftovers:
             print(f"  remove  {leftover.describe()}")
-        if not leftovers:
+        if not plan.leftovers:
             print("  none")
         if args.apply:
-            for victim in plan.delete:
-                _delete_checkpoint(store, victim.step)
-            remove_leftovers(store, leftovers)
-    freed = sum(v.nbytes for v in plan.delete) + sum(x.nbytes for x in leftovers)
+            apply_gc(store, plan)
     verb = "deleted" if args.apply else "would delete"
     print(
-        f"{verb} {len(plan.delete)} checkpoint(s) and {len(leftovers)} leftover(s), {_size(freed)}"
+        f"{verb} {len(plan.retention.delete)} checkpoint(s) and {len(plan.leftovers)} "
+        f"leftover(s), {_size(plan.freed)}"
         + ("" if args.apply else "; rerun with --apply to delete")
     )
     return 0
@@ -467,97 +312,25 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 # export
 
 
-def flat_tensors(tree: Any) -> tuple[dict[str, torch.Tensor], int]:
-    """Every tensor (or NumPy array) of a state tree under its dotted path, and how many
-    non-tensor leaves were left out. Raises ValueError if two paths give the same name."""
-    import numpy as np
-    import torch
-
-    found: dict[str, torch.Tensor] = {}
-    skipped = 0
-
-    def visit(value: Any, path: tuple[str, ...]) -> None:
-        nonlocal skipped
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(value)
-        if isinstance(value, torch.Tensor):
-            name = ".".join(path) or "tensor"
-            if name in found:
-                raise ValueError(f"two tensors would both be named {name!r} in the export")
-            found[name] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                visit(item, (*path, str(key)))
-        elif isinstance(value, list | tuple):
-            for index, item in enumerate(value):
-                visit(item, (*path, str(index)))
-        else:
-            skipped += 1
-
-    visit(tree, ())
-    return found, skipped
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], file: IO[bytes]) -> int:
-    """Write ``tensors`` to ``file`` in the safetensors layout (a copy per name, so aliased
-    tensors come out as separate entries); return the bytes written."""
-    import torch
-
-    from checkpointd.format import TensorEntry, encode_safetensors_header
-
-    entries: list[TensorEntry] = []
-    datas: list[torch.Tensor] = []
-    position = 0
-    for name, tensor in tensors.items():
-        plain = tensor.detach().cpu().contiguous()
-        nbytes = plain.numel() * plain.element_size()
-        entries.append(
-            TensorEntry(name, plain.dtype, tuple(plain.shape), position, position + nbytes)
-        )
-        datas.append(plain)
-        position += nbytes
-    header = encode_safetensors_header(entries)
-    file.write(header)
-    for plain in datas:
-        if plain.numel():
-            file.write(plain.reshape(-1).view(torch.uint8).numpy().data)
-    return len(header) + position
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
-    import torch
+    from checkpointd.export import export_component
 
-    from checkpointd.restore import load
-
-    target: str = args.to
-    kind = os.path.splitext(target)[1].lower()
-    if kind not in (".safetensors", ".pt"):
-        raise ValueError(f"--to {target}: the file name must end in .safetensors or .pt")
-    checkpoint = load(
-        args.root, args.step, components=[args.component], storage_options=storage_options(args)
+    done = export_component(
+        args.root,
+        args.component,
+        args.to,
+        step=args.step,
+        storage_options=storage_options(args),
     )
-    tree = checkpoint.state[args.component]
-    folder = os.path.dirname(os.path.abspath(target))
-    temp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
-    try:
-        if kind == ".safetensors":
-            tensors, skipped = flat_tensors(tree)
-            with open(temp, "wb") as file:
-                nbytes = write_safetensors(tensors, file)
-            summary = f"{len(tensors)} tensors" + (
-                f" ({skipped} non-tensor values left out)" if skipped else ""
-            )
-        else:
-            torch.save(tree, temp)
-            nbytes = os.path.getsize(temp)
-            summary = "its whole state tree"
-        os.replace(temp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+    if done.tensors < 0:
+        summary = "its whole state tree"
+    else:
+        summary = f"{done.tensors} tensors" + (
+            f" ({done.skipped} non-tensor values left out)" if done.skipped else ""
+        )
     print(
-        f"exported component {args.component!r} of step {checkpoint.info.step} to {target}: "
-        f"{summary}, {_size(nbytes)}"
+        f"exported component {args.component!r} of step {done.step} to {args.to}: "
+        f"{summary}, {_size(done.nbytes)}"
     )
     return 0
 

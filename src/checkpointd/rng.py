@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from checkpointd.errors import RestoreMismatchError
-from checkpointd.stateful import layout_problems, python_random_state, python_random_tuple
+from checkpointd.fit import layout_problems
+from checkpointd.stateful import python_random_state, python_random_tuple
 
 __all__ = ["RNGState"]
 

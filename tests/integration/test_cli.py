@@ -22,6 +22,7 @@ import torch
 
 import checkpointd
 from checkpointd import cli
+from checkpointd.describe import describe
 from checkpointd.storage import LocalStore, open_store
 from tests.conftest import Root
 from tests.support.files import component_file
@@ -150,7 +151,7 @@ def test_inspect_reads_headers_not_tensor_data(tmp_path: Path) -> None:
             read.append(len(buffer))
             super().read_into(path, buffer, offset)
 
-    info = cli.describe(Counting(root), None)
+    info = describe(Counting(root), None)
     assert [t["shape"] for t in info["components"]["weights"]["tensors"]] == [[256, 256], [256]]
     tensor_bytes = info["components"]["weights"]["nbytes"]
     assert tensor_bytes == (256 * 256 + 256) * 4
@@ -184,11 +185,11 @@ def test_verify_passes_with_progress(local: tuple[Root, Any]) -> None:
     assert all(line.endswith(": ok") for line in lines[:3])
     assert lines[-1].startswith("verified 3 checkpoint(s)")
     assert lines[-1].endswith("all sizes and CRC32C match")
-    progress = done.stderr.splitlines()
-    assert len(progress) > 3
+    progress = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(progress) > 3  # redrawn as it goes (tqdm, \r-separated off a terminal)
     assert all(line.startswith("verify: ") for line in progress)
-    assert "(100%)" in progress[-1]
-    assert "/s, 0 s left" in progress[-1]
+    assert "100%" in progress[-1]
+    assert "B/s" in progress[-1]
 
 
 def test_verify_names_each_bad_file_and_fails(
@@ -410,22 +411,23 @@ def test_every_command_on_s3(
 # --- pieces ---------------------------------------------------------------------------------
 
 
-def test_progress_line_shows_bytes_rate_and_time_left() -> None:
+def test_progress_bar_shows_bytes_rate_and_time_left() -> None:
     stream = io.StringIO()
-    progress = cli.Progress(8 * 2**20, stream, "always")
-    progress.started -= 2.0  # as if 2 s had passed
-    progress.advance(4 * 2**20)
-    line = stream.getvalue().splitlines()[-1]
-    assert line.startswith("verify: 4.0 MiB / 8.0 MiB ( 50%), ")
-    rate = float(line.split(", ")[1].removesuffix(" MiB/s"))
-    assert 1.8 < rate <= 2.0
-    left = float(line.split(", ")[2].removesuffix(" s left"))
-    assert left == 2
+    with cli.progress_bar(8 * 2**20, "always", stream) as bar:
+        bar.update(4 * 2**20)
+        line = stream.getvalue().split("\r")[-1]
+        assert line.startswith("verify:  50%|")
+        assert "4.00M/8.00M" in line
+        assert "B/s]" in line
     quiet = io.StringIO()
-    auto = cli.Progress(100, quiet, "auto")
-    auto.advance(50)  # well under the 1 s delay: nothing shown for short work
-    auto.finish()
+    with cli.progress_bar(100, "auto", quiet) as auto:
+        auto.update(50)  # well under the 1 s delay: nothing shown for short work
+        cli.say(auto, "step 1: ok")  # a result line must not draw the waiting bar
     assert quiet.getvalue() == ""
+    never = io.StringIO()
+    with cli.progress_bar(100, "never", never) as off:
+        off.update(100)
+    assert never.getvalue() == ""
 
 
 def test_storage_options_nest_and_parse_json() -> None:
@@ -449,3 +451,23 @@ def test_storage_options_nest_and_parse_json() -> None:
         "skip_instance_cache": True,
         "config_kwargs": {"retries": {"max_attempts": 2}},
     }
+
+
+def test_export_writes_tied_tensors_once_per_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """save_file refuses two names over one memory: an aliased tensor is copied per name."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "ckpt")
+    shared = torch.arange(6.0)
+    state = {"model": {"embed": shared, "head": shared, "bias": torch.ones(2), "n": 3}}
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.save(1, state).result(timeout=60)
+    target = str(tmp_path / "out.safetensors")
+    assert cli.main(["export", root, "--component", "model", "--to", target]) == 0
+    assert "3 tensors (1 non-tensor values left out)" in capsys.readouterr().out
+    saved = load_file(target)
+    assert sorted(saved) == ["bias", "embed", "head"]
+    assert torch.equal(saved["embed"], shared)
+    assert torch.equal(saved["head"], shared)

@@ -15,7 +15,7 @@ import torch
 import checkpointd
 from checkpointd.catalog import read_manifest
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.restore import _Reader
+from checkpointd.reader import StepReader
 from checkpointd.storage import open_store
 from tests.support.files import component_file
 
@@ -67,7 +67,7 @@ def test_checkpoint_deleted_while_loading_is_not_found_not_corrupt(tmp_path: Pat
     (folder / "manifest.json").unlink()  # as retention does first
     name = manifest.components["m"].tensors[0]
     (folder / name).unlink()
-    reader = _Reader(store, 1, manifest, verify=True)
+    reader = StepReader(store, 1, manifest, verify=True)
     with pytest.raises(checkpointd.CheckpointNotFoundError, match="deleted while"):
         reader.read(name)
 

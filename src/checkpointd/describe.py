@@ -1,0 +1,60 @@
+"""What ``checkpointd inspect`` shows, as JSON-able data: manifest, tensor headers, files.
+
+Reads the manifest and each tensor file's header, never tensor data. Blocking;
+any thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from checkpointd import catalog
+from checkpointd.reader import StepReader
+from checkpointd.storage import Store
+
+__all__ = ["describe"]
+
+
+def describe(store: Store, step: int | None = None) -> dict[str, Any]:
+    """The checkpoint at ``step`` (default: the newest) as plain data.
+
+    Unlike ``load``, a newest manifest that is damaged raises here instead of being
+    skipped: this is the tool that should show it.
+    """
+    found, manifest = catalog.resolve(store, step, on_damaged=catalog.raise_damaged)
+    reader = StepReader(store, found, manifest)
+    components: dict[str, Any] = {}
+    for name, entry in manifest.components.items():
+        tensors: list[dict[str, Any]] = []
+        for tensor_file in entry.tensors:
+            tensors.extend(
+                {
+                    "name": e.name,
+                    "dtype": str(e.dtype).removeprefix("torch."),
+                    "shape": list(e.shape),
+                    "nbytes": e.end - e.begin,
+                    "file": tensor_file,
+                }
+                for e in sorted(reader.header(tensor_file), key=lambda e: e.begin)
+            )
+        components[name] = {
+            "tree": entry.tree,
+            "tensor_files": list(entry.tensors),
+            "nbytes": entry.nbytes,
+            "tensors": tensors,
+        }
+    return {
+        "step": found,
+        "path": reader.where,
+        "created_at": manifest.created_at.isoformat(),
+        "nbytes": manifest.nbytes,
+        "schema_version": manifest.schema_version,
+        "library_version": manifest.library_version,
+        "world_size": manifest.world_size,
+        "metrics": manifest.metrics,
+        "metadata": manifest.metadata,
+        "components": components,
+        "files": [
+            {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}"} for f in manifest.files
+        ],
+    }

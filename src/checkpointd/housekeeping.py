@@ -1,0 +1,61 @@
+"""``checkpointd gc`` as a library: what retention and leftover cleanup would remove, and doing it.
+
+Blocking; any thread. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from checkpointd import catalog
+from checkpointd.cleanup import Leftover, remove_leftovers, scan_leftovers
+from checkpointd.manifest import CheckpointInfo
+from checkpointd.retention import RetentionPlan, RetentionPolicy, plan_retention
+from checkpointd.storage import Store
+
+__all__ = ["GcPlan", "apply_gc", "plan_gc"]
+
+
+@dataclass(frozen=True, slots=True)
+class GcPlan:
+    """The committed checkpoints, what the policy does to them, and the leftovers found.
+
+    ``problems`` has one line for each place the leftover scan could not list.
+    """
+
+    checkpoints: list[CheckpointInfo]
+    retention: RetentionPlan
+    leftovers: list[Leftover]
+    problems: list[str]
+
+    @property
+    def freed(self) -> int:
+        """Bytes that applying the plan removes."""
+        return sum(v.nbytes for v in self.retention.delete) + sum(x.nbytes for x in self.leftovers)
+
+
+def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
+    """Plan a collection: reads every manifest, lists leftovers untouched ``older_than`` s."""
+    checkpoints = catalog.infos(store)
+    scan = scan_leftovers(store, older_than=older_than)
+    return GcPlan(checkpoints, plan_retention(checkpoints, policy), scan.leftovers, scan.problems)
+
+
+def _deleter() -> Callable[[Store, int], None]:
+    from checkpointd import retention
+
+    delete: Callable[[Store, int], None] | None = getattr(retention, "delete_checkpoint", None)
+    if delete is None:  # LEAD: remove once retention.delete_checkpoint (WRITE) is merged
+        from checkpointd.commit import _delete_checkpoint
+
+        delete = _delete_checkpoint
+    return delete
+
+
+def apply_gc(store: Store, plan: GcPlan) -> None:
+    """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then leftovers."""
+    delete = _deleter()
+    for victim in plan.retention.delete:
+        delete(store, victim.step)
+    remove_leftovers(store, plan.leftovers)

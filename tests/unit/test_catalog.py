@@ -1,0 +1,87 @@
+"""The catalog scan: the newest checkpoint costs one manifest read, however long the history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import checkpointd
+from checkpointd import catalog
+from checkpointd.catalog import CheckpointWarning
+from checkpointd.storage import open_store
+
+STEPS = range(1, 31)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    url = str(tmp_path / "ckpt")
+    with checkpointd.CheckpointWriter(url) as writer:
+        for step in STEPS:
+            writer.save(step, {"m": {"w": torch.full((4,), float(step))}}).result(timeout=60)
+    return url
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Steps whose manifest was read, in order."""
+    calls: list[int] = []
+    original = catalog.read_manifest
+
+    def counted(store: Any, step: int) -> Any:
+        calls.append(step)
+        return original(store, step)
+
+    monkeypatch.setattr(catalog, "read_manifest", counted)
+    return calls
+
+
+def test_load_newest_reads_one_manifest(root: str, reads: list[int]) -> None:
+    loaded = checkpointd.load(root)
+    assert loaded.info.step == STEPS[-1]
+    assert torch.equal(loaded.state["m"]["w"], torch.full((4,), float(STEPS[-1])))
+    assert reads == [STEPS[-1]]
+
+
+def test_restore_newest_reads_its_manifest_once(root: str, reads: list[int]) -> None:
+    target = {"w": torch.zeros(4)}
+    info = checkpointd.restore(root, {"m": target})
+    assert info.step == STEPS[-1]
+    assert torch.equal(target["w"], torch.full((4,), float(STEPS[-1])))
+    assert reads == [STEPS[-1]]
+
+
+def test_damaged_newest_is_skipped_with_a_warning_then_one_more_read(
+    root: str, reads: list[int]
+) -> None:
+    newest = Path(root, f"{STEPS[-1]:012d}", "manifest.json")
+    newest.write_bytes(b"{not json")
+    with pytest.warns(CheckpointWarning, match=f"skipping step {STEPS[-1]}"):
+        loaded = checkpointd.load(root)
+    assert loaded.info.step == STEPS[-2]
+    assert reads == [STEPS[-1], STEPS[-2]]
+
+
+def test_uncommitted_newest_folder_is_passed_over(root: str, reads: list[int]) -> None:
+    Path(root, f"{STEPS[-1] + 1:012d}").mkdir()  # a save in progress
+    assert checkpointd.load(root).info.step == STEPS[-1]
+    assert reads == [STEPS[-1] + 1, STEPS[-1]]
+
+
+def test_scan_is_lazy_and_ordered(root: str, reads: list[int]) -> None:
+    store = open_store(root)
+    try:
+        scan = catalog.scan(store)
+        assert [next(scan)[0], next(scan)[0]] == [STEPS[-1], STEPS[-2]]
+        assert reads == [STEPS[-1], STEPS[-2]]
+        assert [s for s, _ in catalog.scan(store, newest_first=False)] == list(STEPS)
+    finally:
+        store.close()
+
+
+def test_list_checkpoints_reads_every_manifest(root: str, reads: list[int]) -> None:
+    assert [c.step for c in checkpointd.list_checkpoints(root)] == list(STEPS)
+    assert sorted(reads) == list(STEPS)
