@@ -15,6 +15,14 @@ from tests.support.s3 import MotoS3, start_moto
 from tests.support.s3rver import S3rver, S3rverMissing, start_s3rver
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """memory:// declares no exclusive create, so every save there warns once; tests that
+    care check it with pytest.warns (conformance), the rest would all fail on it."""
+    config.addinivalue_line(
+        "filterwarnings", "ignore:memory.//:checkpointd.errors.StorageCapabilityWarning"
+    )
+
+
 @dataclass(frozen=True)
 class Root:
     """A checkpoint root and the storage options to reach it."""

@@ -1,7 +1,9 @@
 """Fault injection at the level of LocalStore's system calls.
 
-``FaultyOS`` stands in for the ``os`` module inside ``checkpointd.storage`` (and
-``shutil.rmtree`` there): every real file-system call still happens, but each
+``FaultyOS`` stands in for the ``os`` module inside the modules of the storage
+package that do local I/O, ``checkpointd.storage.local`` and
+``checkpointd.storage.directio`` (the O_DIRECT path for large aligned writes),
+and for ``shutil.rmtree`` in local.py: every real file-system call still happens, but each
 mutating call is counted and logged, and the wrapper can
 
 - fail a chosen call with an errno (ENOSPC on a write, EIO on an fsync, ...);
@@ -33,6 +35,11 @@ from typing import Any
 import pytest
 
 import checkpointd.storage
+import checkpointd.storage.directio
+import checkpointd.storage.local
+
+IO_MODULES = (checkpointd.storage.local, checkpointd.storage.directio)
+"""The modules whose ``os`` the wrapper replaces: every local system call of a save."""
 
 MUTATING = ("create", "write", "fsync", "fsync_dir", "replace", "link", "unlink", "mkdir", "rmtree")
 
@@ -267,9 +274,11 @@ class FaultyOS:
             return undone
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FaultyOS:
-        """Route ``checkpointd.storage``'s os and shutil.rmtree calls through this wrapper."""
-        monkeypatch.setattr(checkpointd.storage, "os", self)
-        monkeypatch.setattr(checkpointd.storage, "shutil", _ShutilProxy(self))
+        """Route the os calls of LocalStore and of direct I/O, and LocalStore's
+        shutil.rmtree, through this wrapper."""
+        for module in IO_MODULES:
+            monkeypatch.setattr(module, "os", self)
+        monkeypatch.setattr(checkpointd.storage.local, "shutil", _ShutilProxy(self))
         return self
 
     def cleanup(self) -> None:
