@@ -91,12 +91,14 @@ def check_relpath(path: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a store promises beyond the Store interface; the commit protocol, the
-    reader and cleanup check these instead of assuming them."""
+    reader and cleanup check these instead of assuming them. Reading them never
+    touches the storage."""
 
-    exclusive_create: bool
+    exclusive_create: bool | None
     """``publish`` is an atomic create-if-absent: of two writers racing to publish one
     path exactly one wins. Where False, publish checks before and reads back after
-    (so it never silently overwrites) but two racing writers may both succeed."""
+    (so it never silently overwrites) but two racing writers may both succeed. None:
+    it depends on the server and is not known yet (``Store.exclusive_create`` asks)."""
     memory_map: bool = False
     """``map_file`` returns a memory map of a file (else it raises StorageError)."""
     modification_times: bool = False
@@ -152,15 +154,16 @@ class Store(ABC):
 
     @property
     def capabilities(self) -> Capabilities:
-        """What this store can do; may ask the storage once (then cached).
+        """What this store can do, without asking the storage.
 
         By default nothing beyond the interface: each backend declares its own."""
         return _NOTHING_EXTRA
 
     @property
     def exclusive_create(self) -> bool:
-        """Shorthand for ``capabilities.exclusive_create``."""
-        return self.capabilities.exclusive_create
+        """True if ``publish`` is an atomic create-if-absent. Where the capability
+        depends on the server (None), asks it once (then cached); publish calls this."""
+        return bool(self.capabilities.exclusive_create)
 
     def _translating(self, action: str, path: str) -> contextlib.AbstractContextManager[None]:
         return translate_errors(action, path, self.backend_errors)
@@ -186,9 +189,9 @@ class Store(ABC):
 
         Raises CheckpointExistsError if it exists (another writer won); never
         overwrites an existing file. Exclusive against a concurrent publish only
-        where ``capabilities.exclusive_create``; elsewhere it warns once per store
+        where ``exclusive_create``; elsewhere it warns once per store
         (StorageCapabilityWarning) and publishes guarded."""
-        if self.capabilities.exclusive_create:
+        if self.exclusive_create:
             self._publish_exclusive(path, data)
             return
         self._warn_not_exclusive()

@@ -4,7 +4,7 @@ The bucket must exist (checked on construction; never created). Files go up
 as parallel multipart uploads (s3upload.py), invisible until completed;
 discard aborts them, and ``pending_uploads`` finds those a dead writer left.
 The manifest is created with ``If-None-Match: *`` where the server honours it
-(probed once: ``capabilities.exclusive_create``); elsewhere publish is the
+(probed once, on first publish: ``exclusive_create``); elsewhere publish is the
 guarded one and warns once. Translates OSError, fsspec's, botocore's and
 aiohttp's errors. Blocking; any thread.
 """
@@ -59,15 +59,20 @@ class S3Store(FsspecStore):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Exclusive create as probed (once, on first use); times; multipart uploads."""
+        """Times and multipart uploads; exclusive create None until probed."""
+        return Capabilities(
+            exclusive_create=self._exclusive, modification_times=True, pending_uploads=True
+        )
+
+    @property
+    def exclusive_create(self) -> bool:
+        """Probed once per store (on first publish): does ``If-None-Match: *`` refuse an
+        existing key? The probe writes and removes one key under the root."""
         with self._lock:
             if self._exclusive is None:
                 with self._translating("probe exclusive create under", self.root):
                     self._exclusive = self._probe_exclusive_create()
-            exclusive = self._exclusive
-        return Capabilities(
-            exclusive_create=exclusive, modification_times=True, pending_uploads=True
-        )
+            return self._exclusive
 
     def _check_bucket(self) -> None:
         """Raise unless the root's bucket exists and is reachable; never creates it."""
