@@ -7,6 +7,8 @@ and for ``shutil.rmtree`` in local.py: every real file-system call still happens
 mutating call is counted and logged, and the wrapper can
 
 - fail a chosen call with an errno (ENOSPC on a write, EIO on an fsync, ...);
+  a write made while the file has ``O_DIRECT`` set (directio.write_direct) is the
+  op ``write_direct``, every other write is ``write``;
 - crash after the N-th mutating call: from then on every call raises
   ``SimulatedCrash``, so nothing the dying process does reaches the disk;
 - model power loss at that crash (LevelDB's fault-injection env): bytes not
@@ -22,6 +24,7 @@ garbage-collected.
 
 from __future__ import annotations
 
+import fcntl
 import os as real_os
 import shutil
 import stat
@@ -38,10 +41,23 @@ import checkpointd.storage
 import checkpointd.storage.directio
 import checkpointd.storage.local
 
+_O_DIRECT: int = getattr(real_os, "O_DIRECT", 0)
+
 IO_MODULES = (checkpointd.storage.local, checkpointd.storage.directio)
 """The modules whose ``os`` the wrapper replaces: every local system call of a save."""
 
-MUTATING = ("create", "write", "fsync", "fsync_dir", "replace", "link", "unlink", "mkdir", "rmtree")
+MUTATING = (
+    "create",
+    "write",
+    "write_direct",
+    "fsync",
+    "fsync_dir",
+    "replace",
+    "link",
+    "unlink",
+    "mkdir",
+    "rmtree",
+)
 
 
 class SimulatedCrash(Exception):
@@ -149,10 +165,13 @@ class FaultyOS:
     def write(self, fd: int, data: Any) -> int:
         with self._lock:
             path = self._fd_paths.get(fd, "?")
-            self._step("write", path)
+            # O_DIRECT bypasses the page cache, not the need for fsync: dirty all the same.
+            direct = _O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT
+            op = "write_direct" if direct else "write"
+            self._step(op, path)
             n = real_os.write(fd, data)
             self._dirty[real_os.fstat(fd).st_ino] = path
-            self._done("write", path)
+            self._done(op, path)
             return n
 
     def fsync(self, fd: int) -> None:
