@@ -227,3 +227,22 @@ def test_pending_uploads_only_where_declared(store: Store, root: Root) -> None:
     finally:
         sink.discard()
     assert store.pending_uploads() == []
+
+
+def test_guarded_publish_never_takes_a_racing_writers_file(
+    store: Store, other: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where publish cannot be exclusive, a write overwritten by another writer between
+    our write and our read-back raises instead of reporting success."""
+    if store.exclusive_create:
+        pytest.skip("publish is an atomic create-if-absent here")
+    real_write = store._write_whole
+
+    def write_then_raced(path: str, data: bytes) -> None:
+        real_write(path, data)
+        _write(other, path, b"theirs")
+
+    monkeypatch.setattr(store, "_write_whole", write_then_raced)
+    with _publishing(store), pytest.raises(CheckpointExistsError, match="another writer"):
+        store.publish("d/manifest.json", b"ours")
+    assert other.read_bytes("d/manifest.json") == b"theirs"
