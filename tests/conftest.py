@@ -78,6 +78,14 @@ def memory_root() -> Root:
     return Root(f"memory://ckpt-{uuid.uuid4().hex[:12]}", None, "memory")
 
 
+@pytest.fixture
+def dictfs_root() -> Root:
+    """A root on the example backend of tests/support/dict_store.py (registers dictfs://)."""
+    import tests.support.dict_store  # noqa: F401 - registers the protocol
+
+    return Root(f"dictfs://ckpt-{uuid.uuid4().hex[:12]}", None, "dictfs")
+
+
 @pytest.fixture(params=["memory", "local", "s3"])
 def any_root(request: pytest.FixtureRequest) -> Root:
     """Each test using this runs once per backend."""

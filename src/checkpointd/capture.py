@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from checkpointd import tree as trees
-from checkpointd.directio import DIRECT_ALIGN
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
     MAX_TREE_DEPTH,
@@ -36,6 +35,7 @@ from checkpointd.format import (
     shape_fits,
 )
 from checkpointd.stateful import component_state
+from checkpointd.storage.directio import DIRECT_ALIGN
 
 __all__ = ["CapturedComponent", "StagingBuffer", "capture", "check_component_name"]
 

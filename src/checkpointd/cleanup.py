@@ -70,13 +70,16 @@ class LeftoverScan:
 def _file_info(store: Store, path: str) -> tuple[int, float | None] | None:
     """(size, mtime) of ``path``, or None if it vanished or is not a regular file."""
     try:
-        return store.size(path), store.modified(path)
+        dated = store.capabilities.modification_times
+        return store.size(path), (store.modified(path) if dated else None)
     except StorageError:
         return None
 
 
 def _folder_time(store: Store, folder: str) -> float | None:
     """The modification time of ``folder`` itself, if the store keeps one (local folders)."""
+    if not store.capabilities.folders:
+        return None  # folders are implicit prefixes: their files date them
     try:
         return store.modified(folder)
     except StorageError:

@@ -33,7 +33,6 @@ from checkpointd.catalog import committed as committed_manifests
 from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import BytesLike, crc32c
 from checkpointd.cleanup import DEFAULT_OLDER_THAN, remove_leftovers, unreferenced_files
-from checkpointd.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from checkpointd.format import encode_safetensors_header, encode_tree
 from checkpointd.manifest import (
@@ -54,6 +53,7 @@ from checkpointd.retention import (
     unranked_warning,
 )
 from checkpointd.storage import FileSink, Store
+from checkpointd.storage.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 
 __all__ = ["Snapshot", "apply_retention", "write_snapshot"]
 

@@ -38,16 +38,6 @@ Progress = Callable[[int], None]
 """Called with the number of bytes just read (from the reading thread)."""
 
 
-def _maps(store: Store) -> bool:
-    """Whether whole files are memory-mapped instead of read into owned memory.
-
-    Not today: a tensor over a file map pins a deleted checkpoint's disk space for
-    as long as any object keeps it (an optimizer keeps its state tensors), and on
-    NFS faults with SIGBUS; reading measured no slower for a 600 MB checkpoint.
-    """
-    return False  # MMAP DECISION (one line): e.g. `store.capabilities.memory_map`
-
-
 class StepReader:
     """Reads and checks the files of one committed step, as listed by its manifest."""
 
@@ -95,14 +85,13 @@ class StepReader:
         path = f"{self.folder}/{name}"
         size = self._size(name)
         try:
-            if _maps(self.store) and size:
-                mapped = self.store.map_file(path)  # type: ignore[attr-defined]
-                data = torch.frombuffer(mapped, dtype=torch.uint8)
-                view = memoryview(mapped)
-            else:
-                data = torch.empty(size, dtype=torch.uint8)
-                view = data.numpy().data.cast("B")
-                self.store.read_into(path, view)
+            # Read, never mapped, even where the store could (capabilities.memory_map): a
+            # tensor over a map pins a deleted checkpoint's disk space for as long as an
+            # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS;
+            # reading measured no slower on a 600 MB checkpoint.
+            data = torch.empty(size, dtype=torch.uint8)
+            view = data.numpy().data.cast("B")
+            self.store.read_into(path, view)
         except StorageNotFoundError:
             raise self._vanished(name) from None
         if self.verify:

@@ -1,7 +1,8 @@
-"""One suite every storage backend passes: memory://, local disk, and S3 over HTTP
-(moto, and s3rver: an S3 server without If-None-Match).
+"""One suite every storage backend passes: memory://, local disk, S3 over HTTP
+(moto, and s3rver: an S3 server without If-None-Match), and dictfs:// (the
+one-module example backend in tests/support/dict_store.py).
 
-Capability differences are declared by the store (Store.exclusive_create) and
+Capability differences are declared by the store (Store.capabilities) and
 checked here: on s3rver the manifest publish is guarded but not exclusive (it
 warns), and incomplete multipart uploads can neither be listed nor aborted there
 (tests/integration/test_s3rver.py).
@@ -23,8 +24,8 @@ from checkpointd.errors import (
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 
-BACKENDS = ["memory", "local", "s3", "s3rver"]
-EXCLUSIVE = {"memory": True, "local": True, "s3": True, "s3rver": False}
+BACKENDS = ["memory", "local", "s3", "s3rver", "dictfs"]
+EXCLUSIVE = {"memory": False, "local": True, "s3": True, "s3rver": False, "dictfs": True}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -107,7 +108,11 @@ def test_publish_is_exclusive(store: Store) -> None:
 
 def test_declared_exclusive_create(store: Store, root: Root) -> None:
     _write(store, "d/a", b"1")
+    # Reading the declaration never touches the storage: S3 says "not known yet".
+    declared = store.capabilities.exclusive_create
+    assert declared is (None if root.kind.startswith("s3") else EXCLUSIVE[root.kind])
     assert store.exclusive_create is EXCLUSIVE[root.kind]
+    assert store.capabilities.exclusive_create in (None, EXCLUSIVE[root.kind])
     assert store.list_dir("") == ["d"], "the capability probe left its key behind"
 
 
@@ -178,3 +183,66 @@ def test_paths_outside_the_root_are_refused(store: Store, path: str) -> None:
         store.open_file(path)
     with pytest.raises(StorageError, match="refusing path"):
         store.size(path)
+
+
+def test_declared_modification_times_hold(store: Store) -> None:
+    _write(store, "d/a", b"1")
+    modified = store.modified("d/a")
+    if store.capabilities.modification_times:
+        assert isinstance(modified, float)
+        assert modified > 0
+    else:
+        assert modified is None
+
+
+def test_declared_folders_are_dated(store: Store) -> None:
+    _write(store, "d/a", b"1")
+    if not store.capabilities.folders:
+        pytest.skip("folders are implicit prefixes here: nothing to date")
+    modified = store.modified("d")
+    assert isinstance(modified, float)
+    assert modified > 0
+
+
+def test_map_file_only_where_declared(store: Store) -> None:
+    _write(store, "d/a", b"mapped bytes")
+    if store.capabilities.memory_map:
+        with store.map_file("d/a") as mapped:
+            assert mapped[:] == b"mapped bytes"
+    else:
+        with pytest.raises(StorageError, match="cannot map"):
+            store.map_file("d/a")
+
+
+def test_pending_uploads_only_where_declared(store: Store, root: Root) -> None:
+    if not store.capabilities.pending_uploads:
+        assert store.pending_uploads() == []
+        return
+    if root.kind == "s3rver":
+        pytest.skip("s3rver can neither list nor abort multipart uploads (test_s3rver.py)")
+    sink = store.open_file("d/big")
+    sink.write(b"z" * (17 * 2**20))  # more than one part: a multipart upload is under way
+    try:
+        assert [u.path for u in store.pending_uploads()] == ["d/big"]
+    finally:
+        sink.discard()
+    assert store.pending_uploads() == []
+
+
+def test_guarded_publish_never_takes_a_racing_writers_file(
+    store: Store, other: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where publish cannot be exclusive, a write overwritten by another writer between
+    our write and our read-back raises instead of reporting success."""
+    if store.exclusive_create:
+        pytest.skip("publish is an atomic create-if-absent here")
+    real_write = store._write_whole
+
+    def write_then_raced(path: str, data: bytes) -> None:
+        real_write(path, data)
+        _write(other, path, b"theirs")
+
+    monkeypatch.setattr(store, "_write_whole", write_then_raced)
+    with _publishing(store), pytest.raises(CheckpointExistsError, match="another writer"):
+        store.publish("d/manifest.json", b"ours")
+    assert other.read_bytes("d/manifest.json") == b"theirs"

@@ -19,6 +19,7 @@ import pytest
 
 import checkpointd
 from checkpointd.errors import StorageError, StorageFullError, StoragePermissionError
+from checkpointd.storage.directio import DIRECT_MIN_BYTES
 from tests.faults.helpers import check_intact, make_state
 from tests.support.faults import ErrnoRule, FaultyOS, temp_files, tree_files
 
@@ -120,3 +121,54 @@ def test_rlimit_fsize_gives_storage_full(tmp_path: Path) -> None:
     assert temp_files(root) == []
     assert [i.step for i in checkpointd.list_checkpoints(root)] == [1, 3]
     assert float(checkpointd.load(root).state["w"][0]) == 3.0
+
+
+DIRECT_SIZE = DIRECT_MIN_BYTES // 16  # make_state's (size, 4) float32 tensor: O_DIRECT-sized
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [(errno.ENOSPC, StorageFullError), (errno.EIO, StorageError)],
+    ids=["ENOSPC", "EIO"],
+)
+def test_direct_write_error_fails_save_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kind: type[StorageError]
+) -> None:
+    """ENOSPC/EIO on an O_DIRECT write: a typed error, no temp file, nothing published."""
+    root = str(tmp_path / "ckpt")
+    expected = {1: make_state(1, DIRECT_SIZE), 3: make_state(3, DIRECT_SIZE)}
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.save(1, expected[1]).result()
+    before = tree_files(root)
+
+    rule = ErrnoRule("write_direct", code, ".safetensors")
+    faulty = FaultyOS(rules=[rule]).install(monkeypatch)
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.save(2, make_state(2, DIRECT_SIZE))
+        with pytest.raises(kind) as failure:
+            writer.wait()
+        assert failure.value.errno == code
+        assert any(o == "write_direct!" for o, _ in faulty.log), "the fault never fired"
+        assert temp_files(root) == []
+        assert {p: b for p, b in tree_files(root).items() if not p.startswith(STEP2)} == before
+        assert [i.step for i in checkpointd.list_checkpoints(root)] == [1]
+        writer.save(3, expected[3]).result()  # the writer keeps working, direct I/O included
+    assert sum(o == "write_direct" for o, _ in faulty.log) > 0
+    monkeypatch.undo()
+    assert check_intact(root, expected) == [1, 3]
+
+
+def test_direct_write_refused_midway_falls_back_to_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EINVAL on an O_DIRECT write (a device wanting larger alignment): the save
+    finishes through the buffered path, bit-exact."""
+    root = str(tmp_path / "ckpt")
+    expected = {2: make_state(2, DIRECT_SIZE)}
+    faulty = FaultyOS(rules=[ErrnoRule("write_direct", errno.EINVAL, ".safetensors")])
+    faulty.install(monkeypatch)
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.save(2, expected[2]).result()
+    assert [o for o, _ in faulty.log if o.startswith("write_direct")] == ["write_direct!"]
+    monkeypatch.undo()
+    assert check_intact(root, expected) == [2]

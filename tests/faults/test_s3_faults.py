@@ -18,7 +18,7 @@ import torch
 
 import checkpointd
 from checkpointd.errors import StorageError
-from checkpointd.storage import FsspecStore
+from checkpointd.storage import FsspecStore, S3Store
 from tests.faults.helpers import check_intact, same
 from tests.support.s3 import MotoS3
 from tests.support.tcp_proxy import Action, FaultProxy
@@ -156,14 +156,14 @@ def test_exception_mid_multipart_upload_aborts(
     monkeypatch.setattr(FsspecStore, "block_size", PART)
     bucket, root = _root(moto_s3)
     options = moto_s3.storage_options()
-    real_open = FsspecStore.open_file
+    real_open = S3Store.open_file
     client = moto_s3.client()
     in_flight: list[Any] = []
 
     class Boom(Exception):
         pass
 
-    def open_file(self: FsspecStore, path: str, size: int | None = None) -> Any:
+    def open_file(self: S3Store, path: str, size: int | None = None) -> Any:
         sink = real_open(self, path, size=size)
         if not path.endswith(".safetensors"):
             return sink
@@ -180,7 +180,7 @@ def test_exception_mid_multipart_upload_aborts(
         sink.write = write  # type: ignore[method-assign]
         return sink
 
-    monkeypatch.setattr(checkpointd.storage.FsspecStore, "open_file", open_file)
+    monkeypatch.setattr(S3Store, "open_file", open_file)
     monkeypatch.setattr(checkpointd.commit, "CHUNK_BYTES", 2**20)
     with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
         writer.save(2, _state(2))

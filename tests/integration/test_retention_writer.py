@@ -21,7 +21,7 @@ from checkpointd.commit import apply_retention
 from checkpointd.errors import CheckpointNotFoundError
 from checkpointd.manifest import MANIFEST_NAME
 from checkpointd.retention import RetentionPolicy, RetentionWarning
-from checkpointd.storage import FileSink, PendingUpload, Store, open_store
+from checkpointd.storage import Capabilities, FileSink, PendingUpload, Store, open_store
 from tests.conftest import Root
 
 
@@ -187,6 +187,10 @@ class CrashingStore(Store):
         self.inner.remove_dir(path)
 
     # Plain delegation for everything else.
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
     def make_dir(self, path: str) -> None:
         self._alive()
         self.inner.make_dir(path)

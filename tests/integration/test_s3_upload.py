@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import s3upload
 from checkpointd.errors import StorageFullError, StorageNotFoundError
-from checkpointd.s3upload import choose_part_size
-from checkpointd.storage import FsspecStore, open_store
+from checkpointd.storage import FsspecStore, open_store, s3upload
+from checkpointd.storage.s3upload import choose_part_size
 from tests.conftest import Root
 from tests.support.s3 import MotoS3
 

@@ -1,10 +1,14 @@
 """Fault injection at the level of LocalStore's system calls.
 
-``FaultyOS`` stands in for the ``os`` module inside ``checkpointd.storage`` (and
-``shutil.rmtree`` there): every real file-system call still happens, but each
+``FaultyOS`` stands in for the ``os`` module inside the modules of the storage
+package that do local I/O, ``checkpointd.storage.local`` and
+``checkpointd.storage.directio`` (the O_DIRECT path for large aligned writes),
+and for ``shutil.rmtree`` in local.py: every real file-system call still happens, but each
 mutating call is counted and logged, and the wrapper can
 
 - fail a chosen call with an errno (ENOSPC on a write, EIO on an fsync, ...);
+  a write made while the file has ``O_DIRECT`` set (directio.write_direct) is the
+  op ``write_direct``, every other write is ``write``;
 - crash after the N-th mutating call: from then on every call raises
   ``SimulatedCrash``, so nothing the dying process does reaches the disk;
 - model power loss at that crash (LevelDB's fault-injection env): bytes not
@@ -20,6 +24,7 @@ garbage-collected.
 
 from __future__ import annotations
 
+import fcntl
 import os as real_os
 import shutil
 import stat
@@ -33,8 +38,26 @@ from typing import Any
 import pytest
 
 import checkpointd.storage
+import checkpointd.storage.directio
+import checkpointd.storage.local
 
-MUTATING = ("create", "write", "fsync", "fsync_dir", "replace", "link", "unlink", "mkdir", "rmtree")
+_O_DIRECT: int = getattr(real_os, "O_DIRECT", 0)
+
+IO_MODULES = (checkpointd.storage.local, checkpointd.storage.directio)
+"""The modules whose ``os`` the wrapper replaces: every local system call of a save."""
+
+MUTATING = (
+    "create",
+    "write",
+    "write_direct",
+    "fsync",
+    "fsync_dir",
+    "replace",
+    "link",
+    "unlink",
+    "mkdir",
+    "rmtree",
+)
 
 
 class SimulatedCrash(Exception):
@@ -142,10 +165,13 @@ class FaultyOS:
     def write(self, fd: int, data: Any) -> int:
         with self._lock:
             path = self._fd_paths.get(fd, "?")
-            self._step("write", path)
+            # O_DIRECT bypasses the page cache, not the need for fsync: dirty all the same.
+            direct = _O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT
+            op = "write_direct" if direct else "write"
+            self._step(op, path)
             n = real_os.write(fd, data)
             self._dirty[real_os.fstat(fd).st_ino] = path
-            self._done("write", path)
+            self._done(op, path)
             return n
 
     def fsync(self, fd: int) -> None:
@@ -267,9 +293,11 @@ class FaultyOS:
             return undone
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FaultyOS:
-        """Route ``checkpointd.storage``'s os and shutil.rmtree calls through this wrapper."""
-        monkeypatch.setattr(checkpointd.storage, "os", self)
-        monkeypatch.setattr(checkpointd.storage, "shutil", _ShutilProxy(self))
+        """Route the os calls of LocalStore and of direct I/O, and LocalStore's
+        shutil.rmtree, through this wrapper."""
+        for module in IO_MODULES:
+            monkeypatch.setattr(module, "os", self)
+        monkeypatch.setattr(checkpointd.storage.local, "shutil", _ShutilProxy(self))
         return self
 
     def cleanup(self) -> None:

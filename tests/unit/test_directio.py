@@ -12,8 +12,8 @@ import torch
 
 import checkpointd
 from checkpointd.capture import StagingBuffer
-from checkpointd.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES, address, write_direct
 from checkpointd.storage import LocalStore
+from checkpointd.storage.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES, address, write_direct
 from tests.support.files import component_file
 
 

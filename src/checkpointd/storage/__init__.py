@@ -1,0 +1,128 @@
+"""Storage backends, chosen by the URL protocol of a checkpoint root.
+
+``open_store(root)`` opens a local path or ``file://`` URL as LocalStore,
+``s3://`` as S3Store, and any other protocol through the registry: backends
+registered with ``register_store`` in this process first, then those that
+installed packages declare under the entry-point group ``checkpointd.stores``
+(loaded only when their protocol is first asked for), and last the generic
+FsspecStore for any protocol fsspec knows. A backend is one module: a Store
+subclass (storage/base.py) and a registration. Backend modules load lazily,
+so importing this package imports neither fsspec nor boto.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from checkpointd.errors import StorageError
+from checkpointd.storage.base import (
+    TEMP_MARKER,
+    Capabilities,
+    FileSink,
+    PendingUpload,
+    Store,
+    check_relpath,
+    translate_errors,
+)
+from checkpointd.storage.local import LocalStore
+
+if TYPE_CHECKING:
+    from checkpointd.storage.fsspec import FsspecStore
+    from checkpointd.storage.s3 import S3Store
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "TEMP_MARKER",
+    "Capabilities",
+    "FileSink",
+    "FsspecStore",
+    "LocalStore",
+    "PendingUpload",
+    "S3Store",
+    "Store",
+    "StoreFactory",
+    "check_relpath",
+    "open_store",
+    "register_store",
+    "translate_errors",
+]
+
+StoreFactory = Callable[[str, Mapping[str, Any] | None], Store]
+"""Makes a store from the root URL as the user gave it and its storage options."""
+
+ENTRY_POINT_GROUP = "checkpointd.stores"
+"""Entry points named by protocol whose object is a StoreFactory."""
+
+_registry: dict[str, StoreFactory] = {}
+_lock = threading.Lock()
+
+
+def register_store(protocol: str, factory: StoreFactory) -> None:
+    """Open roots ``{protocol}://...`` with ``factory`` from now on (replaces an earlier one).
+
+    Any thread; usually at import time of the module that defines the backend."""
+    if not protocol or "://" in protocol or protocol in ("file", ""):
+        raise StorageError(errno.EINVAL, f"cannot register a store for protocol {protocol!r}")
+    with _lock:
+        _registry[protocol] = factory
+
+
+def _local(url: str, storage_options: Mapping[str, Any] | None) -> Store:
+    return LocalStore(url.removeprefix("file://"))
+
+
+def _s3(url: str, storage_options: Mapping[str, Any] | None) -> Store:
+    from checkpointd.storage.s3 import S3Store
+
+    return S3Store(url, storage_options)
+
+
+def _fsspec(url: str, storage_options: Mapping[str, Any] | None) -> Store:
+    from checkpointd.storage.fsspec import FsspecStore
+
+    return FsspecStore(url, storage_options)
+
+
+_BUILT_IN: dict[str, StoreFactory] = {"file": _local, "s3": _s3, "s3a": _s3}
+
+
+def _factory(protocol: str) -> StoreFactory:
+    """The factory for ``protocol``: registered, built in, an entry point, else fsspec."""
+    with _lock:
+        found = _registry.get(protocol)
+    if found is not None:
+        return found
+    if protocol in _BUILT_IN:
+        return _BUILT_IN[protocol]
+    for point in entry_points(group=ENTRY_POINT_GROUP, name=protocol):
+        loaded: StoreFactory = point.load()
+        with _lock:
+            return _registry.setdefault(protocol, loaded)
+    return _fsspec
+
+
+def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> Store:
+    """Open the store for a local path, a ``file://`` URL, or another URL by its protocol."""
+    protocol, sep, _ = root.partition("://")
+    if not sep:
+        if storage_options:
+            raise StorageError(errno.EINVAL, "storage_options are only for fsspec URLs")
+        return LocalStore(root)
+    return _factory(protocol)(root, storage_options)
+
+
+def __getattr__(name: str) -> Any:
+    """FsspecStore and S3Store, imported on first use (they import fsspec and boto)."""
+    if name == "FsspecStore":
+        from checkpointd.storage.fsspec import FsspecStore
+
+        return FsspecStore
+    if name == "S3Store":
+        from checkpointd.storage.s3 import S3Store
+
+        return S3Store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,203 @@
+"""S3Store: what a root on S3 (or an S3-compatible server) does beyond generic fsspec.
+
+The bucket must exist (checked on construction; never created). Files go up
+as parallel multipart uploads (s3upload.py), invisible until completed;
+discard aborts them, and ``pending_uploads`` finds those a dead writer left.
+The manifest is created with ``If-None-Match: *`` where the server honours it
+(probed once, on first publish: ``exclusive_create``); elsewhere publish is the
+guarded one and warns once. Translates OSError, fsspec's, botocore's and
+aiohttp's errors. Blocking; any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import botocore.exceptions
+
+from checkpointd.errors import (
+    CheckpointExistsError,
+    StorageError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
+from checkpointd.storage.base import Capabilities, FileSink, PendingUpload
+from checkpointd.storage.fsspec import FsspecStore, TranslatingSink, timestamp
+from checkpointd.storage.s3upload import ParallelUploadSink, choose_part_size
+
+__all__ = ["PROBE_PREFIX", "S3Store", "refused_as_existing"]
+
+PROBE_PREFIX = ".checkpointd-probe-"
+
+
+class S3Store(FsspecStore):
+    """A root ``s3://bucket/prefix`` through s3fs (see the module doc)."""
+
+    backend_errors = (
+        *FsspecStore.backend_errors,
+        botocore.exceptions.BotoCoreError,
+        botocore.exceptions.ClientError,
+        aiohttp.ClientError,
+    )
+
+    parallel_parts: int = 4
+    """Parts of one file uploaded at once (also the parts held in memory per file)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(url, storage_options)
+        self._lock = threading.Lock()
+        self._exclusive: bool | None = None
+        with self._translating("open", url):
+            self._check_bucket()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Times and multipart uploads; exclusive create None until probed."""
+        return Capabilities(
+            exclusive_create=self._exclusive, modification_times=True, pending_uploads=True
+        )
+
+    @property
+    def exclusive_create(self) -> bool:
+        """Probed once per store (on first publish): does ``If-None-Match: *`` refuse an
+        existing key? The probe writes and removes one key under the root."""
+        with self._lock:
+            if self._exclusive is None:
+                with self._translating("probe exclusive create under", self.root):
+                    self._exclusive = self._probe_exclusive_create()
+            return self._exclusive
+
+    def _check_bucket(self) -> None:
+        """Raise unless the root's bucket exists and is reachable; never creates it."""
+        bucket = self.root.partition("/")[0]
+        if not bucket:
+            raise StorageError(errno.EINVAL, f"{self.url}: no bucket in the URL")
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise StorageNotFoundError(
+                errno.ENOENT,
+                f"{self.url}: bucket {bucket!r} does not exist (checkpointd never creates buckets)",
+            ) from None
+        except PermissionError as exc:
+            raise StoragePermissionError(
+                errno.EACCES, f"{self.url}: access to bucket {bucket!r} denied: {exc}"
+            ) from None
+
+    def _put(self, target: str, data: bytes, exclusive: bool) -> None:
+        """One PUT, with ``If-None-Match: *`` if ``exclusive``; raw s3fs errors."""
+        self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
+
+    def _probe_exclusive_create(self) -> bool:
+        """True if a PUT with ``If-None-Match: *`` refuses a key that exists.
+
+        Creates a fresh probe key, then tries again exclusively: that second try
+        must be refused. A server that rejects the header outright (while a plain
+        PUT works) lacks it too. Errors of a plain PUT propagate. The probe key is
+        removed (best effort)."""
+        key = f"{self.root}/{PROBE_PREFIX}{secrets.token_hex(8)}"
+        try:
+            try:
+                self._put(key, b"probe", True)
+            except OSError:
+                self._put(key, b"probe", False)
+                return False
+            try:
+                self._put(key, b"probe again", True)
+            except OSError as exc:
+                if refused_as_existing(exc):
+                    return True
+                raise
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(key)
+
+    def make_dir(self, path: str) -> None:
+        """Folders are implicit on S3, and s3fs's makedirs would create a missing bucket."""
+        self._abs(path)
+
+    def _info(self, target: str) -> dict[str, Any]:
+        """The object's own metadata: s3fs would answer from the last listing otherwise."""
+        return dict(self.fs.info(target, refresh=True))
+
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
+        target = self._abs(path)
+        part_size = choose_part_size(size, self.block_size)
+        sink = ParallelUploadSink(
+            self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
+        )
+        return TranslatingSink(self, sink, target)
+
+    def _publish_exclusive(self, path: str, data: bytes) -> None:
+        target = self._abs(path)
+        with self._translating("publish", target):
+            try:
+                self._put(target, data, exclusive=True)
+            except OSError as exc:
+                if not refused_as_existing(exc):
+                    raise
+                # A retried PUT whose first attempt landed sees its own object: success.
+                if self._holds(path, data):
+                    return
+                raise CheckpointExistsError(f"{target} already exists") from None
+
+    def pending_uploads(self) -> list[PendingUpload]:
+        """Incomplete multipart uploads whose key lies under the root."""
+        with self._translating("list uploads", self.url):
+            return self._list_uploads()
+
+    def _list_uploads(self) -> list[PendingUpload]:
+        bucket, _, prefix = self.root.partition("/")
+        prefix = f"{prefix}/" if prefix else ""
+        found: list[PendingUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3(
+                "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers
+            )
+            for upload in page.get("Uploads", []) or []:
+                key, upload_id = upload["Key"], upload["UploadId"]
+                parts = self.fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=upload_id)
+                times = [timestamp(upload.get("Initiated"))]
+                times += [timestamp(part.get("LastModified")) for part in parts.get("Parts", [])]
+                last = max((t for t in times if t is not None), default=time.time())
+                found.append(PendingUpload(key[len(prefix) :], upload_id, last))
+            if not page.get("IsTruncated"):
+                return found
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker") or "",
+                "UploadIdMarker": page.get("NextUploadIdMarker") or "",
+            }
+            if not markers["KeyMarker"]:
+                raise StorageError(errno.EIO, "a truncated upload listing without a next marker")
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, _, prefix = self.root.partition("/")
+        key = f"{prefix}/{upload.path}" if prefix else upload.path
+        with contextlib.suppress(StorageNotFoundError), self._translating("abort upload", key):
+            self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+            )
+
+
+def refused_as_existing(exc: BaseException) -> bool:
+    """True if ``exc`` is a conditional PUT refused because the key exists (412).
+
+    s3fs maps only a 412 naming the ``If-None-Match`` condition to FileExistsError;
+    some servers omit the condition, which s3fs reports as a plain OSError."""
+    if isinstance(exc, FileExistsError):
+        return True
+    response = getattr(exc.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return bool(code == "PreconditionFailed" or status == 412)
