@@ -421,7 +421,7 @@ def _rules(policy: RetentionPolicy) -> str:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from checkpointd import catalog
     from checkpointd.cleanup import remove_leftovers, scan_leftovers
-    from checkpointd.commit import _delete_checkpoint
+    from checkpointd.retention import delete_checkpoint as _delete_checkpoint
     from checkpointd.retention import plan_retention
 
     policy = _policy(args)

@@ -33,6 +33,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from checkpointd.layout import TEMP_MARKER
 from checkpointd.s3 import (
     check_bucket,
     list_uploads,
@@ -47,7 +48,6 @@ __all__ = ["FileSink", "FsspecStore", "LocalStore", "PendingUpload", "Store", "o
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 _BACKEND_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3")
-TEMP_MARKER = ".tmp-"
 
 
 @contextlib.contextmanager

@@ -34,29 +34,34 @@ from anyio.abc import TaskGroup
 
 from checkpointd import lifecycle
 from checkpointd.capture import StagingBuffer, capture
-from checkpointd.commit import Snapshot
 from checkpointd.errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointTimeoutError,
+    InvalidArgumentError,
     StepOrderError,
     StorageError,
     UnsupportedValueError,
     WriterClosedError,
 )
 from checkpointd.handle import SaveHandle
+from checkpointd.layout import MAX_STEP, is_step
 from checkpointd.lifecycle import LoopThread
-from checkpointd.manifest import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, CheckpointInfo, too_deep
+from checkpointd.manifest import CheckpointInfo, too_deep
+from checkpointd.plan import Snapshot
 from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.retention import RetentionPolicy
 from checkpointd.service import NewerSteps, WriteService, newest_committed
 from checkpointd.storage import LocalStore, open_store
+from checkpointd.tunables import (
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_PENDING,
+    MAX_JSON_DEPTH,
+    MAX_METADATA_BYTES,
+)
 
 __all__ = ["AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"]
 
-MAX_STEP = 10**12 - 1
-MAX_METADATA_BYTES = MAX_MANIFEST_BYTES // 4
-"""Encoded metrics plus metadata of one save (16 MiB): the rest of the manifest's
-limit is left to the file list, so every reader accepts the manifest."""
 _NEWER_STEPS = ("error", "keep", "discard")
 
 
@@ -65,7 +70,8 @@ class _WriterBase:
 
     Options: ``root`` is a local path or fsspec URL (``storage_options`` reach it);
     ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
-    the retention rules (see RetentionPolicy); ``max_pending`` snapshots may exist
+    the retention rules (see RetentionPolicy), or pass ``retention=RetentionPolicy(...)``
+    instead (not both); ``max_pending`` snapshots may exist
     at once (each one staging buffer, reused); ``max_concurrency`` files of a save
     are written at once; ``background_niceness`` (Linux, CheckpointWriter only)
     lowers the CPU priority of the writer's threads, so training steps keep the
@@ -93,27 +99,31 @@ class _WriterBase:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
-        max_pending: int = 1,
-        max_concurrency: int = 4,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         background_niceness: int = 0,
         newer_steps: NewerSteps = "error",
+        retention: RetentionPolicy | None = None,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, not {value!r}")
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
         if isinstance(background_niceness, bool) or background_niceness not in range(20):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"background_niceness must be an int from 0 to 19, not {background_niceness!r}"
             )
         if background_niceness and not sys.platform.startswith("linux"):
-            raise ValueError("background_niceness needs Linux (per-thread priorities)")
+            raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
         if newer_steps not in _NEWER_STEPS:
-            raise ValueError(f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}")
+            raise InvalidArgumentError(
+                f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
+            )
+        loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        self.policy = _policy(retention, loose)
         self.background_niceness = background_niceness
         self.newer_steps: NewerSteps = newer_steps
         self.root = str(root)
         self.storage_options = None if storage_options is None else dict(storage_options)
-        self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
         self._store = open_store(self.root, self.storage_options)
         local = self._store.root if isinstance(self._store, LocalStore) else None
         if local is not None and os.path.exists(local) and not os.path.isdir(local):
@@ -154,8 +164,8 @@ class _WriterBase:
         metrics and metadata."""
         self._check_usable()
         self._service.failures.raise_first()
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-            raise ValueError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
+        if not is_step(step):
+            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
         self._pending[:] = [h for h in self._pending if not h.done()]
         if any(h.step == step for h in self._pending):
             raise CheckpointExistsError(f"a save of step {step} is already in progress")
@@ -227,6 +237,22 @@ class _WriterBase:
         return restore(
             self.root, targets, step, storage_options=self.storage_options, strict=strict
         )
+
+
+def _policy(retention: RetentionPolicy | None, loose: RetentionPolicy) -> RetentionPolicy:
+    """The writer's policy: ``retention`` or the one made of the loose options, never both."""
+    if retention is None:
+        return loose
+    if not isinstance(retention, RetentionPolicy):
+        raise InvalidArgumentError(
+            f"retention must be a RetentionPolicy, not {type(retention).__qualname__}"
+        )
+    if loose != RetentionPolicy():
+        raise InvalidArgumentError(
+            "pass retention=RetentionPolicy(...) or keep_last/keep_every/keep_best/"
+            "best_metric/best_mode, not both"
+        )
+    return retention
 
 
 def _json_hook(value: Any) -> Any:
@@ -324,7 +350,8 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is resolved; raise the first error not yet seen.
 
-        Raises TimeoutError if saves are still running after ``timeout`` seconds.
+        Raises CheckpointTimeoutError (a TimeoutError) if saves are still running
+        after ``timeout`` seconds; they go on in the background.
         """
         if self._inherited:
             self._check_usable()
@@ -332,7 +359,7 @@ class CheckpointWriter(_WriterBase, AbstractContextManager["CheckpointWriter"]):
         for handle in list(self._pending):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not handle._done.wait(remaining):
-                raise TimeoutError(f"saves still running after {timeout}s")
+                raise CheckpointTimeoutError(f"saves still running after {timeout}s")
         self._pending.clear()
         self._service.failures.raise_first()
 
@@ -400,7 +427,7 @@ class AsyncCheckpointWriter(_WriterBase):
 
     async def __aenter__(self) -> AsyncCheckpointWriter:
         if self.background_niceness:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "background_niceness is for CheckpointWriter: these threads are your loop's"
             )
         self._check_usable()
@@ -455,8 +482,8 @@ class AsyncCheckpointWriter(_WriterBase):
     async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API
         """Wait until every pending save is resolved; raise the first error not yet seen.
 
-        Raises TimeoutError (the builtin, as the sync writer) if saves are still
-        running after ``timeout`` seconds; they go on in the background.
+        Raises CheckpointTimeoutError (a TimeoutError, as the sync writer) if saves
+        are still running after ``timeout`` seconds; they go on in the background.
         """
         if self._inherited:
             self._check_usable()
@@ -464,7 +491,7 @@ class AsyncCheckpointWriter(_WriterBase):
             with anyio.fail_after(timeout):
                 await self._drain()
         except TimeoutError:
-            raise TimeoutError(f"saves still running after {timeout}s") from None
+            raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
         self._service.failures.raise_first()
 
     async def aclose(self) -> None:
