@@ -242,17 +242,23 @@ def checkpoints_to_delete(
 # (apply_retention) or from any thread (delete_checkpoint).
 
 
-def delete_checkpoint(store: Store, step: int) -> None:
-    """Remove a committed checkpoint: its manifest first, so it is never seen half-deleted.
+def delete_checkpoint(store: Store, step: int) -> bool:
+    """Remove the committed checkpoint ``step``: its manifest first, so it is never seen
+    half-deleted. Returns False (and touches nothing) if ``step`` has no manifest: its
+    folder may be a save in flight, which only gc may remove once it is old.
 
     Once the manifest is gone the folder is not a checkpoint: if removing the
-    rest fails or the process dies, what is left is a leftover for GC, which no
-    reader lists or loads. Raises StorageNotFoundError if ``step`` has no
-    manifest, StorageError if the storage fails. Blocking; any thread.
+    rest fails or the process dies, what is left is a leftover for gc, which no
+    reader lists or loads. Raises StorageError if the storage fails. Blocking;
+    any thread.
     """
     folder = step_dirname(step)
-    store.remove_file(f"{folder}/{MANIFEST_NAME}")
+    manifest = f"{folder}/{MANIFEST_NAME}"
+    if not store.exists(manifest):
+        return False
+    store.remove_file(manifest)
     store.remove_dir(folder)
+    return True
 
 
 def _committed_at(store: Store, step: int, manifest: Manifest) -> float:

@@ -25,7 +25,6 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.handle import Failures, SaveHandle, first_leaf
-from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.plan import Snapshot, plan_snapshot
 from checkpointd.retention import (
     RetentionPolicy,
@@ -63,8 +62,7 @@ def discard_newer(store: Store, step: int) -> list[int]:
     for newer in reversed(catalog.step_folders(store)):
         if newer <= step:
             break
-        if store.exists(f"{step_dirname(newer)}/{MANIFEST_NAME}"):
-            delete_checkpoint(store, newer)
+        if delete_checkpoint(store, newer):
             deleted.append(newer)
     return deleted
 

@@ -66,7 +66,11 @@ def test_no_module_imports_a_name_from_the_package_root() -> None:
     offenders = []
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "checkpointd" and node.level == 0:
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "checkpointd"
+                and node.level == 0
+            ):
                 offenders += [f"{path.name}: {a.name}" for a in node.names if a.name not in modules]
     assert not offenders
 
