@@ -12,6 +12,8 @@ stays cheap (no torch) for tools that only list or check checkpoints; submodules
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from checkpointd._version import __version__
@@ -130,3 +132,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """The package module: a public name wins over a submodule of the same name.
+
+    Importing a submodule sets it as an attribute of the package; for
+    ``checkpointd.restore`` (the function, whose home is the submodule
+    ``checkpointd.restore``) that would hide the function, as it never did
+    when this module imported everything eagerly.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOME_OF and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable through sys.modules and imports
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -43,6 +43,16 @@ def test_every_public_name_resolves_in_a_fresh_interpreter() -> None:
     )
 
 
+def test_public_names_win_over_submodules_of_the_same_name() -> None:
+    # checkpointd.restore is the function, also once the submodule restore is imported.
+    _run(
+        "import checkpointd.restore, checkpointd.writer, checkpointd\n"
+        "assert callable(checkpointd.restore) and checkpointd.restore.__name__ == 'restore'\n"
+        "from checkpointd.restore import RestoreInfo\n"
+        "assert checkpointd.RestoreInfo is RestoreInfo"
+    )
+
+
 def test_all_lists_exactly_the_lazy_names() -> None:
     assert set(checkpointd.__all__) == {*checkpointd._HOME_OF, "__version__"}
     for name in checkpointd.__all__:
