@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from checkpointd.errors import InvalidArgumentError, UnsupportedValueError
+from checkpointd.errors import UnsupportedValueError
 
 __all__ = [
     "DIRECT_ALIGN",
@@ -19,7 +19,6 @@ __all__ = [
     "REGION_ALIGN",
     "TEMP_MARKER",
     "check_component_name",
-    "check_step",
     "is_component_name",
     "is_safe_file_name",
     "is_step",
@@ -51,14 +50,6 @@ def parse_step_dirname(name: str) -> int | None:
 def is_step(step: object) -> bool:
     """True for an int (not a bool) from 0 to MAX_STEP."""
     return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
-
-
-def check_step(step: object) -> int:
-    """Return ``step`` if it can name a step folder, else raise InvalidArgumentError."""
-    if not is_step(step):
-        raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
-    assert isinstance(step, int)
-    return step
 
 
 # --- names -------------------------------------------------------------------

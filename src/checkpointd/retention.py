@@ -48,8 +48,6 @@ __all__ = [
     "RetentionWarning",
     "WriterIdentity",
     "apply_retention",
-    "checkpoints_to_delete",
-    "checkpoints_to_keep",
     "delete_checkpoint",
     "plan_retention",
 ]
@@ -204,37 +202,13 @@ def _best_steps(
     return [-neg_step for _, neg_step in ranked[: policy.keep_best]], unranked
 
 
-def unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
+def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
     """The RetentionWarning message for ``steps`` that lack the best metric."""
     return (
         f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
         f"{'have' if len(steps) > 1 else 'has'} no numeric metric {policy.best_metric!r}: "
         "keep_best cannot rank it; only keep_last/keep_every (or being newest) keep it"
     )
-
-
-def checkpoints_to_keep(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) -> set[int]:
-    """The steps the policy keeps among ``checkpoints`` (any order).
-
-    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
-    """
-    plan = plan_retention(checkpoints, policy)
-    if plan.unranked:
-        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
-    return plan.keep
-
-
-def checkpoints_to_delete(
-    checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy
-) -> list[CheckpointInfo]:
-    """The checkpoints the policy drops, oldest first; never the newest.
-
-    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
-    """
-    plan = plan_retention(checkpoints, policy)
-    if plan.unranked:
-        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
-    return list(plan.delete)
 
 
 # ---------------------------------------------------------------------------
@@ -329,5 +303,5 @@ async def apply_retention(
         deleted.append(step)
     if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.
-        warnings.warn(unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
+        warnings.warn(_unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
     return deleted
