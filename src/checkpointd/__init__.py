@@ -3,35 +3,80 @@
 ``save()`` blocks only while tensors are copied to host memory; serialization,
 upload and the commit run in the background, and a checkpoint is visible only
 once every byte of it is durable.
+
+The public names are imported on first use (PEP 562), so ``import checkpointd``
+stays cheap (no torch) for tools that only list or check checkpoints; submodules
+(``checkpointd.tunables``...) load on first attribute access too.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from checkpointd.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    RestoreMismatchError,
-    StepOrderError,
-    StorageCapabilityWarning,
-    StorageError,
-    StorageFullError,
-    StorageNotFoundError,
-    StoragePermissionError,
-    UnsupportedValueError,
-    WriterClosedError,
-    WrongThreadError,
-)
-from checkpointd.manifest import CheckpointInfo
-from checkpointd.progress import TrainingProgress
-from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
-from checkpointd.retention import RetentionPolicy
-from checkpointd.rng import RNGState
-from checkpointd.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
+from checkpointd._version import __version__
+
+if TYPE_CHECKING:
+    from checkpointd.errors import (
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        CheckpointTimeoutError,
+        CheckpointWarning,
+        CorruptCheckpointError,
+        IncompatibleCheckpointError,
+        InvalidArgumentError,
+        RestoreMismatchError,
+        RetentionWarning,
+        StepOrderError,
+        StorageCapabilityWarning,
+        StorageError,
+        StorageFullError,
+        StorageNotFoundError,
+        StoragePermissionError,
+        UnsupportedValueError,
+        WriterClosedError,
+        WrongThreadError,
+    )
+    from checkpointd.manifest import CheckpointInfo
+    from checkpointd.progress import TrainingProgress
+    from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
+    from checkpointd.retention import RetentionPolicy
+    from checkpointd.rng import RNGState
+    from checkpointd.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
+
+_HOMES: dict[str, tuple[str, ...]] = {
+    "checkpointd.errors": (
+        "CheckpointError",
+        "CheckpointExistsError",
+        "CheckpointNotFoundError",
+        "CheckpointTimeoutError",
+        "CheckpointWarning",
+        "CorruptCheckpointError",
+        "IncompatibleCheckpointError",
+        "InvalidArgumentError",
+        "RestoreMismatchError",
+        "RetentionWarning",
+        "StepOrderError",
+        "StorageCapabilityWarning",
+        "StorageError",
+        "StorageFullError",
+        "StorageNotFoundError",
+        "StoragePermissionError",
+        "UnsupportedValueError",
+        "WriterClosedError",
+        "WrongThreadError",
+    ),
+    "checkpointd.manifest": ("CheckpointInfo",),
+    "checkpointd.progress": ("TrainingProgress",),
+    "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
+    "checkpointd.retention": ("RetentionPolicy",),
+    "checkpointd.rng": ("RNGState",),
+    "checkpointd.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "AsyncCheckpointWriter",
@@ -40,13 +85,17 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "CheckpointWarning",
     "CheckpointWriter",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "InvalidArgumentError",
     "RNGState",
     "RestoreInfo",
     "RestoreMismatchError",
     "RetentionPolicy",
+    "RetentionWarning",
     "SaveHandle",
     "StepOrderError",
     "StorageCapabilityWarning",
@@ -63,3 +112,41 @@ __all__ = [
     "load",
     "restore",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's home module on first use; or a submodule of that name."""
+    home = _HOME_OF.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """The package module: a public name wins over a submodule of the same name.
+
+    Importing a submodule sets it as an attribute of the package; for
+    ``checkpointd.restore`` (the function, whose home is the submodule
+    ``checkpointd.restore``) that would hide the function, as it never did
+    when this module imported everything eagerly.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOME_OF and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable through sys.modules and imports
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

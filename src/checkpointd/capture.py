@@ -11,7 +11,6 @@ the snapshot afterwards, so the caller may change its tensors as soon as
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,6 @@ import torch
 from checkpointd import tree as trees
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
-    MAX_TREE_DEPTH,
     BigInt,
     DTypeNode,
     NumpyScalarNode,
@@ -34,29 +32,17 @@ from checkpointd.format import (
     numpy_scalar_node,
     shape_fits,
 )
+from checkpointd.layout import REGION_ALIGN as _REGION_ALIGN
+from checkpointd.layout import check_component_name
 from checkpointd.stateful import component_state
-from checkpointd.storage.directio import DIRECT_ALIGN
+from checkpointd.tunables import MAX_TREE_DEPTH
 
-__all__ = ["CapturedComponent", "StagingBuffer", "capture", "check_component_name"]
+__all__ = ["CapturedComponent", "StagingBuffer", "capture"]
 
-_COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}\Z")
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
 # Wider ints are stored as decimal text; Python refuses to print more than 4300 digits.
 _BIGINT_MAX_BITS = 4096
-# Components start on 4 KiB boundaries of a 4 KiB-aligned arena, so their data
-# regions can be written with direct I/O (see directio.py).
-_REGION_ALIGN = DIRECT_ALIGN
-
-
-def check_component_name(name: object) -> str:
-    """Return ``name`` if it can name a component's files, else raise UnsupportedValueError."""
-    if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
-        raise UnsupportedValueError(
-            f"component name {name!r} must be 1-128 characters of ASCII letters, digits, '_' or "
-            "'-', not starting with '-'"
-        )
-    return name
 
 
 class StagingBuffer:

@@ -9,7 +9,6 @@ thread. Imports no torch.
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -17,18 +16,14 @@ from typing import Any
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWarning,
     CorruptCheckpointError,
     StorageNotFoundError,
 )
-from checkpointd.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    CheckpointInfo,
-    Manifest,
-    decode_manifest,
-    step_dirname,
-)
+from checkpointd.layout import MANIFEST_NAME, parse_step_dirname, step_dirname
+from checkpointd.manifest import CheckpointInfo, Manifest, decode_manifest
 from checkpointd.storage import Store, open_store
+from checkpointd.tunables import MAX_MANIFEST_BYTES
 
 __all__ = [
     "CheckpointWarning",
@@ -43,14 +38,8 @@ __all__ = [
     "step_path",
 ]
 
-_STEP_DIR = re.compile(r"\d{12}\Z")
-
 OnDamaged = Callable[[int, CheckpointError], None]
 """Called with (step, error) for a manifest that exists but cannot be read."""
-
-
-class CheckpointWarning(UserWarning):
-    """A step folder with a manifest was skipped because the manifest could not be read."""
 
 
 def step_path(store: Store, step: int) -> str:
@@ -60,7 +49,7 @@ def step_path(store: Store, step: int) -> str:
 
 def step_folders(store: Store) -> list[int]:
     """Steps that have a folder under the root, committed or not, ascending."""
-    return sorted(int(name) for name in store.list_dir("") if _STEP_DIR.match(name))
+    return sorted(s for s in map(parse_step_dirname, store.list_dir("")) if s is not None)
 
 
 def read_manifest(store: Store, step: int) -> Manifest:

@@ -24,8 +24,9 @@ from typing import Literal
 
 from checkpointd.catalog import read_manifest, step_folders
 from checkpointd.errors import CheckpointError, StorageError
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
-from checkpointd.storage import TEMP_MARKER, PendingUpload, Store
+from checkpointd.layout import MANIFEST_NAME, is_temp_name, step_dirname
+from checkpointd.storage import PendingUpload, Store
+from checkpointd.tunables import GC_OLDER_THAN
 
 __all__ = [
     "DEFAULT_OLDER_THAN",
@@ -37,8 +38,8 @@ __all__ = [
     "unreferenced_files",
 ]
 
-DEFAULT_OLDER_THAN = 3600.0
-"""A suggested ``older_than`` for tools: an hour without a write means no writer is there."""
+DEFAULT_OLDER_THAN = GC_OLDER_THAN
+"""A suggested ``older_than`` for tools (tunables.GC_OLDER_THAN)."""
 
 LeftoverKind = Literal["uncommitted", "temp", "unreferenced", "upload"]
 
@@ -113,7 +114,7 @@ def unreferenced_files(
             continue  # gone, or a sub-folder: not ours to judge
         age = _age(now, info[1])
         if age >= older_than:
-            kind: LeftoverKind = "temp" if TEMP_MARKER in name else "unreferenced"
+            kind: LeftoverKind = "temp" if is_temp_name(name) else "unreferenced"
             found.append(Leftover(kind, f"{folder}/{name}", info[0], age))
     return found
 
@@ -127,7 +128,7 @@ def _scan_folder(store: Store, step: int, older_than: float, now: float) -> list
         except CheckpointError:
             # Unreadable (or deleted by retention just now): judge only what is surely not
             # the checkpoint's.
-            names = [n for n in names if TEMP_MARKER in n]
+            names = [n for n in names if is_temp_name(n)]
             listed = []
         return unreferenced_files(store, folder, listed, names, older_than=older_than, now=now)
     infos = [_file_info(store, f"{folder}/{name}") for name in names]

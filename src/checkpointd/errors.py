@@ -1,6 +1,12 @@
 """The exception hierarchy: every error checkpointd raises derives from CheckpointError.
 
-Also the one warning about storage: StorageCapabilityWarning."""
+Each also derives from the builtin a caller would catch without checkpointd
+(``InvalidArgumentError`` is a ValueError, ``CheckpointTimeoutError`` a
+TimeoutError, ``StorageError`` an OSError...), so ``except ValueError`` or
+``except TimeoutError`` written before these existed keeps working. Bugs
+(AssertionError) and interruptions (KeyboardInterrupt, cancellation) are not
+wrapped. Also the warnings checkpointd emits (UserWarning subclasses).
+No imports: any module may import this one."""
 
 from __future__ import annotations
 
@@ -8,9 +14,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "CheckpointWarning",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "InvalidArgumentError",
     "RestoreMismatchError",
+    "RetentionWarning",
     "StepOrderError",
     "StorageCapabilityWarning",
     "StorageError",
@@ -59,6 +69,15 @@ class WrongThreadError(CheckpointError, RuntimeError):
     """A blocking call was made on the writer's own event-loop thread, where it would hang."""
 
 
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument is out of range or of the wrong kind (a writer option, a step, a
+    retention rule); raised at once, on the caller's thread, before anything is written."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A wait with a ``timeout`` ran out while saves were still running; they go on."""
+
+
 class StepOrderError(CheckpointError, ValueError):
     """A save's step is not newer than a committed checkpoint (see the writer's ``newer_steps``)."""
 
@@ -77,6 +96,14 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """A file or folder the operation needs does not exist in the storage."""
+
+
+class CheckpointWarning(UserWarning):
+    """A step folder with a manifest was skipped because the manifest could not be read."""
+
+
+class RetentionWarning(UserWarning):
+    """A checkpoint could not be ranked by the best-metric rule."""
 
 
 class StorageCapabilityWarning(UserWarning):

@@ -21,10 +21,13 @@ import msgspec
 import numpy as np
 import torch
 
-from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
+from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError, UnsupportedValueError
+from checkpointd.layout import HEADER_ALIGN
+from checkpointd.tunables import MAX_HEADER_BYTES, MAX_TREE_DEPTH
 
 __all__ = [
     "DTYPE_CODES",
+    "MAX_HEADER_BYTES",
     "MAX_TREE_DEPTH",
     "BigInt",
     "DTypeNode",
@@ -39,8 +42,6 @@ __all__ = [
     "numpy_scalar_node",
     "parse_safetensors_header",
     "shape_fits",
-    "tensor_file_name",
-    "tree_file_name",
 ]
 
 # safetensors dtype codes; the order of this table is the order of preference on write.
@@ -65,23 +66,6 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
 }
 DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-MAX_HEADER_BYTES = 256 * 2**20
-# Containers nest at most this deep in a tree (the component's own container is level 1).
-# Capture refuses deeper states and readers refuse deeper trees as corrupt; it is far
-# below what Python's recursion limit and msgspec's encoder and decoder allow.
-MAX_TREE_DEPTH = 64
-_HEADER_ALIGN = 8
-
-
-def tree_file_name(component: str) -> str:
-    """File name of a component's state tree inside the step folder."""
-    return f"{component}.tree.msgpack"
-
-
-def tensor_file_name(component: str) -> str:
-    """File name of a component's tensors inside the step folder."""
-    return f"{component}.safetensors"
 
 
 # ---------------------------------------------------------------------------
@@ -376,14 +360,16 @@ class _HeaderEntry(msgspec.Struct, forbid_unknown_fields=True):
     data_offsets: tuple[int, int]
 
 
-def encode_safetensors_header(entries: list[TensorEntry], *, align: int = _HEADER_ALIGN) -> bytes:
+def encode_safetensors_header(entries: list[TensorEntry], *, align: int = HEADER_ALIGN) -> bytes:
     """Return the 8-byte length prefix and JSON header, padded so data starts ``align``-aligned.
 
     ``align`` is a multiple of 8; the writer passes the direct-I/O block size for
     large files so the data region can go to disk without the page cache.
     """
-    if align % _HEADER_ALIGN or align <= 0:
-        raise ValueError(f"header alignment must be a positive multiple of 8, not {align}")
+    if align % HEADER_ALIGN or align <= 0:
+        raise InvalidArgumentError(
+            f"header alignment must be a positive multiple of 8, not {align}"
+        )
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "checkpointd"}}
     for entry in entries:
         header[entry.name] = {

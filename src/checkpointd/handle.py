@@ -9,7 +9,7 @@ import anyio
 import anyio.to_thread
 
 from checkpointd import lifecycle
-from checkpointd.errors import WriterClosedError, WrongThreadError
+from checkpointd.errors import CheckpointTimeoutError, WriterClosedError, WrongThreadError
 from checkpointd.manifest import CheckpointInfo
 
 __all__ = ["Failures", "SaveHandle", "first_leaf"]
@@ -53,7 +53,8 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save resolves; return its CheckpointInfo or raise its error.
 
-        Raises TimeoutError if it is still running after ``timeout`` seconds, and
+        Raises CheckpointTimeoutError (a TimeoutError) if it is still running after
+        ``timeout`` seconds, and
         WrongThreadError if called, while pending, on the event-loop thread that
         resolves it (it would wait forever: use ``await handle.wait()`` there).
         """
@@ -66,7 +67,7 @@ class SaveHandle:
                     "use 'await handle.wait()' in async code"
                 )
         if not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
+            raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout}s")
         return self._outcome()
 
     async def wait(self) -> CheckpointInfo:

@@ -5,13 +5,12 @@ Blocking; any thread. Imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from checkpointd import catalog
 from checkpointd.cleanup import Leftover, remove_leftovers, scan_leftovers
 from checkpointd.manifest import CheckpointInfo
-from checkpointd.retention import RetentionPlan, RetentionPolicy, plan_retention
+from checkpointd.retention import RetentionPlan, RetentionPolicy, delete_checkpoint, plan_retention
 from checkpointd.storage import Store
 
 __all__ = ["GcPlan", "apply_gc", "plan_gc"]
@@ -42,20 +41,8 @@ def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPl
     return GcPlan(checkpoints, plan_retention(checkpoints, policy), scan.leftovers, scan.problems)
 
 
-def _deleter() -> Callable[[Store, int], None]:
-    from checkpointd import retention
-
-    delete: Callable[[Store, int], None] | None = getattr(retention, "delete_checkpoint", None)
-    if delete is None:  # LEAD: remove once retention.delete_checkpoint (WRITE) is merged
-        from checkpointd.commit import _delete_checkpoint
-
-        delete = _delete_checkpoint
-    return delete
-
-
 def apply_gc(store: Store, plan: GcPlan) -> None:
     """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then leftovers."""
-    delete = _deleter()
     for victim in plan.retention.delete:
-        delete(store, victim.step)
+        delete_checkpoint(store, victim.step)
     remove_leftovers(store, plan.leftovers)

@@ -25,10 +25,13 @@ from checkpointd.errors import (
     IncompatibleCheckpointError,
     UnsupportedValueError,
 )
+from checkpointd.layout import MANIFEST_NAME, is_component_name, is_safe_file_name, step_dirname
+from checkpointd.tunables import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES
 
 __all__ = [
     "MANIFEST_NAME",
     "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "SCHEMA_VERSION",
     "CheckpointInfo",
     "ComponentEntry",
@@ -41,18 +44,10 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "checkpointd"
-MAX_MANIFEST_BYTES = 64 * 2**20
-MAX_JSON_DEPTH = 100
-"""Deepest nesting of containers in ``metrics`` or ``metadata`` (their own dict is level 1).
-
-Far below Python's recursion limit, so whatever later walks them (msgspec,
-json.dumps, copy.deepcopy, a user's code) cannot hit a RecursionError."""
 
 _T = TypeVar("_T")
 _TAIL = re.compile(rb',"manifest_crc32c":"([0-9a-f]{8})"}\n?\Z')
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")
 
 
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -102,16 +97,6 @@ class _Version(msgspec.Struct):
 
 # Each entry turns the raw dict of schema version N into version N + 1.
 _MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-
-
-def step_dirname(step: int) -> str:
-    """The folder name of a step: zero-padded so names sort like numbers."""
-    return f"{step:012d}"
-
-
-def is_safe_name(name: str) -> bool:
-    """True for a file or component name that stays inside its folder."""
-    return bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
 def too_deep(value: Any) -> bool:
@@ -222,7 +207,7 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: negative step {manifest.step}")
     listed: set[str] = set()
     for entry in manifest.files:
-        if not is_safe_name(entry.path) or entry.path == MANIFEST_NAME:
+        if not is_safe_file_name(entry.path) or entry.path == MANIFEST_NAME:
             raise CorruptCheckpointError(f"{where}: unsafe file name {entry.path!r}")
         if entry.size < 0 or not 0 <= entry.crc32c < 2**32:
             raise CorruptCheckpointError(f"{where}: invalid size or digest for {entry.path!r}")
@@ -230,7 +215,7 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
             raise CorruptCheckpointError(f"{where}: file {entry.path!r} listed twice")
         listed.add(entry.path)
     for name, component in manifest.components.items():
-        if not is_safe_name(name):
+        if not is_component_name(name):
             raise CorruptCheckpointError(f"{where}: unsafe component name {name!r}")
         for path in (component.tree, *component.tensors):
             if path not in listed:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from checkpointd import catalog
+from checkpointd import catalog, tunables
 from checkpointd.checksum import crc32c
 from checkpointd.errors import (
     CheckpointError,
@@ -29,9 +29,7 @@ if TYPE_CHECKING:
 
     from checkpointd.format import TensorEntry
 
-__all__ = ["READ_CHUNK", "StepReader", "verify_step"]
-
-READ_CHUNK = 8 * 2**20
+__all__ = ["StepReader", "verify_step"]
 """Bytes per read when a file is streamed through CRC32C (verify)."""
 
 Progress = Callable[[int], None]
@@ -152,17 +150,18 @@ class StepReader:
     def verify_file(self, entry: FileEntry, progress: Progress | None = None) -> str | None:
         """Stream every byte of one file through CRC32C; what is wrong with it, or None.
 
-        Reads in ``READ_CHUNK`` pieces (constant memory), calling ``progress`` after each.
+        Reads in ``tunables.READ_CHUNK_BYTES`` pieces (constant memory), calling ``progress`` after each.
         """
         path = f"{self.folder}/{entry.path}"
         try:
             size = self.store.size(path)
             if size != entry.size:
                 return f"size {size} does not match the manifest's {entry.size}"
-            buffer = bytearray(min(READ_CHUNK, size))
+            chunk = tunables.READ_CHUNK_BYTES
+            buffer = bytearray(min(chunk, size))
             digest = 0
-            for offset in range(0, size, READ_CHUNK):
-                view = memoryview(buffer)[: min(READ_CHUNK, size - offset)]
+            for offset in range(0, size, chunk):
+                view = memoryview(buffer)[: min(chunk, size - offset)]
                 self.store.read_into(path, view, offset)
                 digest = crc32c(view, digest)
                 if progress is not None:

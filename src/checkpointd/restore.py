@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpointd import catalog
+from checkpointd import catalog, tunables
 from checkpointd.catalog import list_checkpoints
 from checkpointd.errors import CheckpointError, CheckpointNotFoundError, RestoreMismatchError
 from checkpointd.fit import check_fits, check_restorable
@@ -29,7 +29,6 @@ from checkpointd.tree import map_tree
 
 __all__ = ["Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"]
 
-_READ_THREADS = 4
 _log = logging.getLogger("checkpointd")
 
 
@@ -64,7 +63,7 @@ def _load_from(
             f"(it has: {', '.join(manifest.components)})"
         )
     reader = StepReader(store, step, manifest, verify=verify)
-    with concurrent.futures.ThreadPoolExecutor(_READ_THREADS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool:
         futures = {name: pool.submit(reader.component, name) for name in wanted}
         state = {name: future.result() for name, future in futures.items()}
     if map_location is not None:

@@ -1,7 +1,10 @@
-"""Retention: which committed checkpoints to keep, as pure functions over their list.
+"""Retention: which committed checkpoints to keep, and deleting the others.
 
-The writer applies the policy only after a commit, deleting each victim's
-manifest first so that a half-deleted checkpoint is invisible, never torn.
+Deciding is pure (``plan_retention`` over a list of CheckpointInfo); executing
+is ``apply_retention``, which the writer runs only after a commit, and
+``delete_checkpoint``, which removes one checkpoint manifest first so that a
+half-deleted checkpoint is invisible, never torn (also used by ``gc`` and by
+``newer_steps="discard"``).
 
 Sharing a root: several writers (two jobs, a restarted job and its old
 instance, a trainer and a side job) may save into one root. Steps are shared:
@@ -17,14 +20,26 @@ manifest without one counts as another writer's.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from checkpointd.manifest import CheckpointInfo
+import anyio
+import anyio.to_thread
+
+from checkpointd import tunables
+from checkpointd.catalog import committed as committed_manifests
+from checkpointd.catalog import step_path
+from checkpointd.errors import InvalidArgumentError, RetentionWarning, StorageError
+from checkpointd.layout import MANIFEST_NAME, step_dirname
+from checkpointd.manifest import CheckpointInfo, Manifest
+from checkpointd.storage import Store
+from checkpointd.tunables import GRACE_SECONDS
 
 __all__ = [
     "GRACE_SECONDS",
@@ -32,18 +47,10 @@ __all__ = [
     "RetentionPolicy",
     "RetentionWarning",
     "WriterIdentity",
-    "checkpoints_to_delete",
-    "checkpoints_to_keep",
+    "apply_retention",
+    "delete_checkpoint",
     "plan_retention",
 ]
-
-
-GRACE_SECONDS = 600.0
-"""The shortest time another writer's new checkpoint is safe from this writer's retention."""
-
-
-class RetentionWarning(UserWarning):
-    """A checkpoint could not be ranked by the best-metric rule."""
 
 
 @dataclass(slots=True)
@@ -68,7 +75,7 @@ class WriterIdentity:
     def grace(self) -> float:
         """How long another writer's checkpoint is kept after its commit: GRACE_SECONDS or
         twice this writer's last save interval, whichever is longer."""
-        return max(GRACE_SECONDS, 2 * (self.interval or 0.0))
+        return max(tunables.GRACE_SECONDS, 2 * (self.interval or 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +99,11 @@ class RetentionPolicy:
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+                raise InvalidArgumentError(f"{name} must be a positive int or None, not {value!r}")
         if self.keep_best is not None and not self.best_metric:
-            raise ValueError("keep_best needs best_metric (the metrics key to rank by)")
+            raise InvalidArgumentError("keep_best needs best_metric (the metrics key to rank by)")
         if self.best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
+            raise InvalidArgumentError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
 
     @property
     def deletes_anything(self) -> bool:
@@ -130,18 +137,19 @@ def plan_retention(
     protect: Iterable[int] = (),
     foreign: Mapping[int, float] | None = None,
     now: float | None = None,
-    grace: float = GRACE_SECONDS,
+    grace: float | None = None,
 ) -> RetentionPlan:
     """Apply ``policy`` to ``checkpoints`` (committed ones, any order); pure, never warns.
 
     The newest step and the ``protect`` steps present are always kept. With no
     rule set, everything is kept. ``foreign`` maps steps that another writer
     committed to when it committed them (Unix seconds); those committed less
-    than ``grace`` seconds before ``now`` (Unix seconds, required with ``foreign``)
-    are kept too ("other writer").
+    than ``grace`` seconds (default tunables.GRACE_SECONDS) before ``now`` (Unix
+    seconds, required with ``foreign``) are kept too ("other writer").
     """
     if foreign and now is None:
-        raise ValueError("plan_retention: pass now with foreign")
+        raise InvalidArgumentError("plan_retention: pass now with foreign")
+    grace = tunables.GRACE_SECONDS if grace is None else grace
     by_step = sorted(checkpoints, key=lambda c: c.step)
     reasons: dict[int, list[str]] = {}
 
@@ -194,7 +202,7 @@ def _best_steps(
     return [-neg_step for _, neg_step in ranked[: policy.keep_best]], unranked
 
 
-def unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
+def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
     """The RetentionWarning message for ``steps`` that lack the best metric."""
     return (
         f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} "
@@ -203,25 +211,97 @@ def unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
     )
 
 
-def checkpoints_to_keep(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy) -> set[int]:
-    """The steps the policy keeps among ``checkpoints`` (any order).
+# ---------------------------------------------------------------------------
+# Execution: blocking storage calls, from worker threads of the writer's loop
+# (apply_retention) or from any thread (delete_checkpoint).
 
-    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
+
+def delete_checkpoint(store: Store, step: int) -> bool:
+    """Remove the committed checkpoint ``step``: its manifest first, so it is never seen
+    half-deleted. Returns False (and touches nothing) if ``step`` has no manifest: its
+    folder may be a save in flight, which only gc may remove once it is old.
+
+    Once the manifest is gone the folder is not a checkpoint: if removing the
+    rest fails or the process dies, what is left is a leftover for gc, which no
+    reader lists or loads. Raises StorageError if the storage fails. Blocking;
+    any thread.
     """
-    plan = plan_retention(checkpoints, policy)
-    if plan.unranked:
-        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
-    return plan.keep
+    folder = step_dirname(step)
+    manifest = f"{folder}/{MANIFEST_NAME}"
+    if not store.exists(manifest):
+        return False
+    store.remove_file(manifest)
+    store.remove_dir(folder)
+    return True
 
 
-def checkpoints_to_delete(
-    checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy
-) -> list[CheckpointInfo]:
-    """The checkpoints the policy drops, oldest first; never the newest.
+def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
+    """When ``step`` was committed (Unix seconds): its manifest's time where the store
+    keeps one, and never earlier than its save was called. Worker thread."""
+    created = manifest.created_at.timestamp()
+    try:
+        modified = store.modified(f"{step_dirname(step)}/{MANIFEST_NAME}")
+    except StorageError:
+        modified = None
+    return created if modified is None else max(created, modified)
 
-    Warns (RetentionWarning) if the best-metric rule cannot rank some of them.
+
+def _plan(
+    store: Store, policy: RetentionPolicy, protect: tuple[int, ...], identity: WriterIdentity | None
+) -> tuple[list[int], tuple[int, ...]]:
+    """(steps to delete, unranked steps) for ``policy``, sparing another writer's fresh
+    checkpoints when ``identity`` is given. Worker thread."""
+    found = committed_manifests(store)
+    checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]
+    plan = plan_retention(checkpoints, policy, protect=protect)
+    if identity is not None and plan.delete:
+        manifests = dict(found)
+        foreign = {
+            v.step: _committed_at(store, v.step, manifests[v.step])
+            for v in plan.delete
+            if manifests[v.step].writer != identity.id
+        }
+        if foreign:
+            plan = plan_retention(
+                checkpoints,
+                policy,
+                protect=protect,
+                foreign=foreign,
+                now=time.time(),
+                grace=identity.grace(),
+            )
+    return [v.step for v in plan.delete], plan.unranked
+
+
+async def apply_retention(
+    store: Store,
+    policy: RetentionPolicy,
+    limiter: anyio.CapacityLimiter,
+    *,
+    committed_step: int | None = None,
+    identity: WriterIdentity | None = None,
+) -> list[int]:
+    """Delete the committed checkpoints ``policy`` drops; return their steps, oldest first.
+
+    Call only after a commit, with that commit's step. Only committed checkpoints
+    are considered: a save still in flight has no manifest, so it is neither
+    counted nor touched, and the newest committed checkpoint (and
+    ``committed_step``) is never deleted, so a durable checkpoint always remains.
+    With ``identity`` (the writer's), checkpoints another writer committed within
+    ``identity.grace()`` seconds are kept too (see retention's module docstring).
+    Warns (RetentionWarning) if ``committed_step`` lacks the best metric.
     """
-    plan = plan_retention(checkpoints, policy)
-    if plan.unranked:
-        warnings.warn(unranked_warning(plan.unranked, policy), RetentionWarning, stacklevel=2)
-    return list(plan.delete)
+    if not policy.deletes_anything:
+        return []
+    protect = () if committed_step is None else (committed_step,)
+    victims, unranked = await anyio.to_thread.run_sync(
+        functools.partial(_plan, store, policy, protect, identity), limiter=limiter
+    )
+    deleted: list[int] = []
+    for step in victims:
+        await anyio.to_thread.run_sync(delete_checkpoint, store, step, limiter=limiter)
+        deleted.append(step)
+    if committed_step is not None and committed_step in unranked:
+        # Only the new step: older unranked steps were reported when they were committed.
+        warnings.warn(_unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
+    return deleted

@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from checkpointd import catalog, lifecycle
 from checkpointd.capture import StagingBuffer
-from checkpointd.commit import Snapshot, _delete_checkpoint, apply_retention, write_snapshot
+from checkpointd.commit import commit_plan
 from checkpointd.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -25,8 +25,13 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.handle import Failures, SaveHandle, first_leaf
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
-from checkpointd.retention import RetentionPolicy, WriterIdentity
+from checkpointd.plan import Snapshot, plan_snapshot
+from checkpointd.retention import (
+    RetentionPolicy,
+    WriterIdentity,
+    apply_retention,
+    delete_checkpoint,
+)
 from checkpointd.storage import Store
 
 __all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
@@ -57,8 +62,7 @@ def discard_newer(store: Store, step: int) -> list[int]:
     for newer in reversed(catalog.step_folders(store)):
         if newer <= step:
             break
-        if store.exists(f"{step_dirname(newer)}/{MANIFEST_NAME}"):
-            _delete_checkpoint(store, newer)
+        if delete_checkpoint(store, newer):
             deleted.append(newer)
     return deleted
 
@@ -129,7 +133,8 @@ class WriteService:
             return
         try:
             try:
-                info = await write_snapshot(self.store, snapshot, limiter, identity=self.identity)
+                plan = plan_snapshot(snapshot)
+                info = await commit_plan(self.store, plan, limiter, identity=self.identity)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
         except Exception as exc:

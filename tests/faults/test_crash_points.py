@@ -55,7 +55,7 @@ def test_crash_after_every_io_step(
     expected = {1: make_state(1, size), 2: make_state(2, size)}
     # Step 1 comes from another writer instance: without a grace window, step 2's
     # retention deletes it, so the crash points cover retention too.
-    monkeypatch.setattr(checkpointd.retention, "GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(checkpointd.tunables, "GRACE_SECONDS", 0.0)
 
     template = str(tmp_path / "template")
     with checkpointd.CheckpointWriter(template) as writer:

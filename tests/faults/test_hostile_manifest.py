@@ -134,7 +134,7 @@ def test_writer_retention_skips_the_hostile_step(
 ) -> None:
     root = _root(tmp_path)
     # Steps 1 and 2 come from another writer: without this, the grace window keeps them.
-    monkeypatch.setattr(checkpointd.retention, "GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(checkpointd.tunables, "GRACE_SECONDS", 0.0)
     with pytest.warns(CheckpointWarning, match=f"skipping step {HOSTILE}"):
         _save_twice_keeping_one(root)
     with pytest.warns(CheckpointWarning):

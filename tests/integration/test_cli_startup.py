@@ -65,9 +65,6 @@ def test_cli_read_tools_import_no_torch(root: str) -> None:
     assert done.stdout.endswith("no torch\n")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs the lazy package __init__ (issue 10, WRITE branch): drop at merge"
-)
 def test_ls_and_verify_start_without_torch(root: str) -> None:
     done = _run(RUN_TOOLS, root)
     assert done.returncode == 0, done.stderr

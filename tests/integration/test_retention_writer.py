@@ -17,10 +17,9 @@ import torch
 
 import checkpointd
 from checkpointd.cleanup import find_leftovers, remove_leftovers
-from checkpointd.commit import apply_retention
 from checkpointd.errors import CheckpointNotFoundError
 from checkpointd.manifest import MANIFEST_NAME
-from checkpointd.retention import RetentionPolicy, RetentionWarning
+from checkpointd.retention import RetentionPolicy, RetentionWarning, apply_retention
 from checkpointd.storage import Capabilities, FileSink, PendingUpload, Store, open_store
 from tests.conftest import Root
 

@@ -15,10 +15,7 @@ from checkpointd.manifest import CheckpointInfo
 from checkpointd.retention import (
     GRACE_SECONDS,
     RetentionPolicy,
-    RetentionWarning,
     WriterIdentity,
-    checkpoints_to_delete,
-    checkpoints_to_keep,
     plan_retention,
 )
 
@@ -66,8 +63,8 @@ def test_invalid_policies_are_refused(kwargs: dict[str, Any]) -> None:
 
 
 def test_no_rule_keeps_everything() -> None:
-    assert checkpoints_to_delete(HISTORY, RetentionPolicy()) == []
-    assert checkpoints_to_keep(HISTORY, RetentionPolicy()) == set(steps(HISTORY))
+    assert plan_retention(HISTORY, RetentionPolicy()).delete == ()
+    assert plan_retention(HISTORY, RetentionPolicy()).keep == set(steps(HISTORY))
 
 
 def test_empty_history() -> None:
@@ -78,11 +75,16 @@ def test_empty_history() -> None:
 
 def test_keep_last_keeps_the_newest_n_by_step_in_any_input_order() -> None:
     shuffled = [HISTORY[i] for i in (3, 0, 5, 1, 4, 2)]
-    assert steps(checkpoints_to_delete(shuffled, RetentionPolicy(keep_last=2))) == [10, 20, 30, 40]
+    assert steps(list(plan_retention(shuffled, RetentionPolicy(keep_last=2)).delete)) == [
+        10,
+        20,
+        30,
+        40,
+    ]
 
 
 def test_keep_every_keeps_multiples_and_the_newest() -> None:
-    kept = checkpoints_to_keep(HISTORY, RetentionPolicy(keep_every=25))
+    kept = plan_retention(HISTORY, RetentionPolicy(keep_every=25)).keep
     assert kept == {50, 60}  # 50 divisible by 25; 60 is the newest
 
 
@@ -90,7 +92,7 @@ def test_keep_every_keeps_multiples_and_the_newest() -> None:
 def test_keep_best_by_mode(mode: Literal["min", "max"], expected: set[int]) -> None:
     # loss = 1/step: the lowest losses are the newest steps.
     policy = RetentionPolicy(keep_best=2, best_metric="loss", best_mode=mode)
-    assert checkpoints_to_keep(HISTORY, policy) == expected
+    assert plan_retention(HISTORY, policy).keep == expected
 
 
 def test_rules_combine_as_a_union_with_reasons() -> None:
@@ -111,7 +113,7 @@ def test_rules_combine_as_a_union_with_reasons() -> None:
 def test_ties_in_the_best_metric_go_to_the_newer_step() -> None:
     history = [ckpt(s, loss=0.5) for s in (1, 2, 3)] + [ckpt(4, loss=0.9)]
     policy = RetentionPolicy(keep_best=1, best_metric="loss")
-    assert checkpoints_to_keep(history, policy) == {3, 4}
+    assert plan_retention(history, policy).keep == {3, 4}
 
 
 def test_protected_steps_are_kept_and_others_are_not_invented() -> None:
@@ -156,12 +158,9 @@ def test_checkpoint_without_a_usable_metric_is_kept_only_by_other_rules(missing:
     assert plan.unranked == (2,)
     assert plan.reasons[2] == ("every",)  # kept by keep_every, not ranked by keep_best
     assert plan.keep == {1, 2, 4}
-    with pytest.warns(RetentionWarning, match=r"step 2 has no numeric metric 'loss'"):
-        assert checkpoints_to_keep(history, policy) == {1, 2, 4}
-    # Without another rule to keep it, it goes.
+    # Without another rule to keep it, it goes (the writer warns: test_retention_writer).
     lone = RetentionPolicy(keep_best=1, best_metric="loss")
-    with pytest.warns(RetentionWarning):
-        assert 2 in steps(checkpoints_to_delete(history, lone))
+    assert 2 in steps(list(plan_retention(history, lone).delete))
 
 
 def test_plan_itself_never_warns() -> None:

@@ -111,7 +111,7 @@ def test_newer_steps_discard_deletes_newer_steps_after_the_commit_before_retenti
 ) -> None:
     _commit(tmp_path, 100, 300, 400)
     # 100 comes from another writer: without this, the grace window would keep it.
-    monkeypatch.setattr(checkpointd.retention, "GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(checkpointd.tunables, "GRACE_SECONDS", 0.0)
     in_flight = tmp_path / "000000000500"  # another save's folder, no manifest yet
     in_flight.mkdir()
     (in_flight / "model.safetensors").write_bytes(b"partial")

@@ -29,6 +29,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
+from checkpointd.layout import TEMP_MARKER
 
 __all__ = [
     "TEMP_MARKER",
@@ -41,7 +42,6 @@ __all__ = [
     "translate_os_error",
 ]
 
-TEMP_MARKER = ".tmp-"
 """Part of the name of a local file being written (``{final}.tmp-<random>``)."""
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

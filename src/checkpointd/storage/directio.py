@@ -19,12 +19,11 @@ import os
 
 import numpy as np
 
+from checkpointd.layout import DIRECT_ALIGN
+from checkpointd.tunables import DIRECT_MIN_BYTES
+
 __all__ = ["DIRECT_ALIGN", "DIRECT_MIN_BYTES", "write_direct"]
 
-DIRECT_ALIGN = 4096
-"""Alignment of address, position and length; 4 KiB covers 512-byte and 4K-sector devices."""
-DIRECT_MIN_BYTES = 1 << 20
-"""Below this a write is cheap enough buffered, and toggling the flag costs two syscalls."""
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 

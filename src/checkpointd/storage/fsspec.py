@@ -21,6 +21,7 @@ import fsspec
 from fsspec.exceptions import BlocksizeMismatchError
 from fsspec.spec import AbstractFileSystem
 
+from checkpointd import tunables
 from checkpointd.checksum import BytesLike
 from checkpointd.errors import StorageError, StorageNotFoundError
 from checkpointd.storage.base import Capabilities, FileSink, Store, check_relpath
@@ -33,7 +34,7 @@ class FsspecStore(Store):
 
     backend_errors: ClassVar[tuple[type[BaseException], ...]] = (BlocksizeMismatchError,)
 
-    block_size: int = 16 * 2**20
+    block_size: int = tunables.S3_PART_BYTES
     """Bytes per upload part (S3: at least 5 MiB; 10,000 parts make the largest file 160 GiB)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:

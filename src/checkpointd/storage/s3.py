@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import botocore.exceptions
 
+from checkpointd import tunables
 from checkpointd.errors import (
     CheckpointExistsError,
     StorageError,
@@ -47,7 +48,7 @@ class S3Store(FsspecStore):
         aiohttp.ClientError,
     )
 
-    parallel_parts: int = 4
+    parallel_parts: int = tunables.S3_PARALLEL_PARTS
     """Parts of one file uploaded at once (also the parts held in memory per file)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:

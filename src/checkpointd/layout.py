@@ -1,0 +1,115 @@
+"""Where things are in a root: step folders, file names, name rules, alignment.
+
+The one home of the naming conventions of docs/format.md ("Component names and
+file names", "Storage layout"): writers, readers, the catalog and gc all use
+these, so a rule changes in one place. Pure functions; no I/O; any thread.
+"""
+
+from __future__ import annotations
+
+import re
+
+from checkpointd.errors import UnsupportedValueError
+
+__all__ = [
+    "DIRECT_ALIGN",
+    "HEADER_ALIGN",
+    "MANIFEST_NAME",
+    "MAX_STEP",
+    "REGION_ALIGN",
+    "TEMP_MARKER",
+    "check_component_name",
+    "is_component_name",
+    "is_safe_file_name",
+    "is_step",
+    "is_temp_name",
+    "parse_step_dirname",
+    "step_dirname",
+    "tensor_file_name",
+    "tree_file_name",
+]
+
+# --- steps -------------------------------------------------------------------
+
+STEP_DIGITS = 12
+MAX_STEP = 10**STEP_DIGITS - 1
+"""The largest step: step folders are 12 zero-padded digits, so names sort like numbers."""
+_STEP_DIR = re.compile(rf"[0-9]{{{STEP_DIGITS}}}\Z")
+
+
+def step_dirname(step: int) -> str:
+    """The folder name of a step: zero-padded so names sort like numbers."""
+    return f"{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a folder name stands for, or None if it is not a step folder."""
+    return int(name) if _STEP_DIR.match(name) else None
+
+
+def is_step(step: object) -> bool:
+    """True for an int (not a bool) from 0 to MAX_STEP."""
+    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
+
+
+# --- names -------------------------------------------------------------------
+
+MANIFEST_NAME = "manifest.json"
+"""The commit marker in each step folder; written last."""
+TEMP_MARKER = ".tmp-"
+"""Part of the name of a local file being written (``{final}.tmp-<hex>``)."""
+
+_COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}\Z")
+_SAFE_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z")
+
+
+def is_component_name(name: object) -> bool:
+    """The one component-name rule (docs/format.md): 1-128 ASCII letters, digits,
+    ``_`` or ``-``, not starting with ``-``. Used by save and by manifest checks."""
+    return isinstance(name, str) and bool(_COMPONENT_NAME.match(name))
+
+
+def check_component_name(name: object) -> str:
+    """Return ``name`` if it can name a component, else raise UnsupportedValueError."""
+    if not is_component_name(name):
+        raise UnsupportedValueError(
+            f"component name {name!r} must be 1-128 characters of ASCII letters, digits, '_' or "
+            "'-', not starting with '-'"
+        )
+    assert isinstance(name, str)
+    return name
+
+
+def is_safe_file_name(name: str) -> bool:
+    """True for a file name that stays inside its step folder: no ``/``, no ``..``,
+    not starting with ``.`` (or ``-``), at most 200 characters."""
+    return bool(_SAFE_FILE_NAME.match(name)) and ".." not in name
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the name of a local file still being written."""
+    return TEMP_MARKER in name
+
+
+def tree_file_name(component: str, token: str | None = None) -> str:
+    """File name of a component's state tree: ``C.T.tree.msgpack`` for save attempt
+    ``T`` (earlier versions wrote ``C.tree.msgpack``, without a token)."""
+    return f"{component}.tree.msgpack" if token is None else f"{component}.{token}.tree.msgpack"
+
+
+def tensor_file_name(component: str, token: str | None = None) -> str:
+    """File name of a component's tensors: ``C.T.safetensors`` (``C.safetensors`` untokened)."""
+    return f"{component}.safetensors" if token is None else f"{component}.{token}.safetensors"
+
+
+# --- alignment ---------------------------------------------------------------
+
+DIRECT_ALIGN = 4096
+"""Alignment of address, position and length for O_DIRECT; 4 KiB covers 512-byte
+and 4K-sector devices."""
+REGION_ALIGN = DIRECT_ALIGN
+"""Components start on this boundary of the staging arena (itself so aligned), so
+their data regions can be written with direct I/O."""
+HEADER_ALIGN = 8
+"""A safetensors header is padded so the data region starts at a multiple of this;
+data regions of DIRECT_MIN_BYTES or more are padded to DIRECT_ALIGN instead."""

@@ -1,0 +1,118 @@
+"""What a save writes: the plan that turns a captured snapshot into files.
+
+The plan knows components, trees and the safetensors layout; the commit
+protocol (commit.py) knows none of that: it streams, commits and publishes
+whatever files a plan lists, and records the plan's component entries in the
+manifest. Made on the writer's event loop (cheap: headers and the msgpack
+trees are encoded here, tensor bytes stay in the staging buffer).
+
+Seam for later issues: ``PlannedFile`` is the union of what a manifest entry
+can come from. Today it is only ``WriteFile`` (bytes this process writes now).
+Many ranks add "a file another rank writes" (its ``FileEntry`` arrives from
+that rank before the publish) and incremental saves add "a file already
+stored" (its ``FileEntry`` is copied from an earlier manifest, nothing is
+written); both join the union and ``commit.commit_plan`` gains one branch per
+kind, while ``plan_snapshot`` decides which kind each file is.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+from checkpointd.capture import CapturedComponent, StagingBuffer
+from checkpointd.checksum import BytesLike
+from checkpointd.format import encode_safetensors_header, encode_tree
+from checkpointd.layout import DIRECT_ALIGN, HEADER_ALIGN, tensor_file_name, tree_file_name
+from checkpointd.manifest import ComponentEntry
+from checkpointd.tunables import DIRECT_MIN_BYTES
+
+__all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_snapshot"]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything one save needs after capture; owned by the writer until it resolves."""
+
+    step: int
+    components: list[CapturedComponent]
+    buffer: StagingBuffer
+    created_at: datetime
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFile:
+    """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
+
+    ``component`` is the component it belongs to (for messages), ``rank`` the rank
+    that writes it (recorded in the manifest; always 0 until many ranks exist).
+    """
+
+    name: str
+    parts: Sequence[BytesLike]
+    component: str
+    rank: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes the file will hold."""
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+
+PlannedFile: TypeAlias = WriteFile
+"""One file a manifest will list; see the module docstring for the kinds to come."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Every file of one save attempt, and the manifest fields that are not about files."""
+
+    step: int
+    files: list[PlannedFile]
+    components: dict[str, ComponentEntry]
+    created_at: datetime
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
+    """The files that store ``snapshot``: per component a tree file and, if it has
+    tensors, a tensor file, named for the attempt ``token`` (random if None).
+
+    A data region of DIRECT_MIN_BYTES or more starts DIRECT_ALIGN-aligned in its
+    file, so it can be written with direct I/O. Event loop or any thread.
+    """
+    token = secrets.token_hex(4) if token is None else token
+    files: list[PlannedFile] = []
+    components: dict[str, ComponentEntry] = {}
+    for component in snapshot.components:
+        name = component.name
+        tree = tree_file_name(name, token)
+        files.append(WriteFile(tree, [encode_tree(component.tree)], name))
+        tensor_names: list[str] = []
+        if component.entries:
+            tensors = tensor_file_name(name, token)
+            tensor_names.append(tensors)
+            align = DIRECT_ALIGN if component.nbytes >= DIRECT_MIN_BYTES else HEADER_ALIGN
+            header = encode_safetensors_header(component.entries, align=align)
+            data = snapshot.buffer.view(component.offset, component.nbytes)
+            files.append(WriteFile(tensors, [header, data], name))
+        components[name] = ComponentEntry(
+            tree=tree,
+            tensors=tensor_names,
+            nbytes=component.nbytes,
+            num_tensors=len(component.entries),
+        )
+    return SavePlan(
+        step=snapshot.step,
+        files=files,
+        components=components,
+        created_at=snapshot.created_at,
+        metrics=snapshot.metrics,
+        metadata=snapshot.metadata,
+    )

@@ -1,0 +1,95 @@
+"""Every tunable number of checkpointd, in one place, each with why it has its value.
+
+Limits that readers enforce (manifest and header sizes, nesting depths) are
+part of what a checkpoint may be: raising them makes files that older readers
+refuse. The rest trade speed against memory or safety margins and may change
+freely. Modules read them as ``tunables.NAME`` at call time where a test needs
+to patch them (monkeypatch ``checkpointd.tunables``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_PENDING",
+    "DIRECT_MIN_BYTES",
+    "GC_OLDER_THAN",
+    "GRACE_SECONDS",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_TREE_DEPTH",
+    "READ_CHUNK_BYTES",
+    "READ_THREADS",
+    "S3_PARALLEL_PARTS",
+    "S3_PART_BYTES",
+]
+
+# --- writing -----------------------------------------------------------------
+
+CHUNK_BYTES = 16 * 2**20
+"""Bytes handed to a sink per write while streaming a file: large enough that the
+per-call cost vanishes, small enough that the digest and the write of one chunk
+overlap well with other files'."""
+
+DEFAULT_MAX_PENDING = 1
+"""Snapshots a writer holds at once by default (one staging buffer each)."""
+
+DEFAULT_MAX_CONCURRENCY = 4
+"""Files of one save written at once by default: enough to keep a disk or an S3
+connection pool busy without oversubscribing worker threads."""
+
+DIRECT_MIN_BYTES = 1 << 20
+"""Data regions (and aligned writes) of at least this many bytes go through
+O_DIRECT; below it a buffered write is as cheap, and toggling the flag costs two
+syscalls. Also decides whether a tensor file's data starts 4 KiB-aligned."""
+
+S3_PART_BYTES = 16 * 2**20
+"""Preferred multipart-upload part size (S3 allows 5 MiB to 5 GiB; grown for huge files)."""
+
+S3_PARALLEL_PARTS = 4
+"""Parts of one file uploaded at once."""
+
+MAX_METADATA_BYTES = 16 * 2**20
+"""Encoded metrics plus metadata of one save: a quarter of MAX_MANIFEST_BYTES, the
+rest is left to the file list, so every reader accepts the manifest."""
+
+# --- reading -----------------------------------------------------------------
+
+READ_THREADS = 4
+"""Threads that read and check the files of one checkpoint at once."""
+
+READ_CHUNK_BYTES = 8 * 2**20
+"""Bytes read per call when a file is verified by streaming it."""
+
+# --- limits readers enforce (part of the format) --------------------------------
+
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""Largest manifest a reader decodes: far above any real one, small enough that a
+hostile file cannot exhaust memory."""
+
+MAX_HEADER_BYTES = 256 * 2**20
+"""Largest safetensors JSON header a reader parses."""
+
+MAX_JSON_DEPTH = 100
+"""Deepest nesting of containers in ``metrics`` or ``metadata`` (their own dict is
+level 1). Far below Python's recursion limit, so whatever later walks them
+(msgspec, json.dumps, copy.deepcopy, a user's code) cannot hit a RecursionError."""
+
+MAX_TREE_DEPTH = 64
+"""Deepest nesting of containers in a component's state tree (its own container is
+level 1). Capture refuses deeper states, readers refuse deeper trees as corrupt;
+far below what Python's recursion limit and msgspec allow."""
+
+# --- retention and garbage collection -----------------------------------------
+
+GRACE_SECONDS = 600.0
+"""The shortest time another writer's new checkpoint is safe from this writer's
+retention (the grace window is the longer of this and twice the writer's own last
+save interval)."""
+
+GC_OLDER_THAN = 3600.0
+"""Default age (seconds without a write) before gc removes a leftover: an hour
+without a write means no live writer owns it."""

@@ -1,0 +1,271 @@
+"""What both writer front ends share: options, checks on the caller's thread, pending
+handles, and reading the writer's own root.
+
+Everything here runs on the caller's thread (the training thread, or the event
+loop of an AsyncCheckpointWriter): it validates before anything is captured,
+so a bad call raises at once instead of failing in the background.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from checkpointd import lifecycle
+from checkpointd.capture import StagingBuffer, capture
+from checkpointd.errors import (
+    CheckpointExistsError,
+    InvalidArgumentError,
+    StepOrderError,
+    StorageError,
+    UnsupportedValueError,
+    WriterClosedError,
+)
+from checkpointd.handle import SaveHandle
+from checkpointd.layout import MAX_STEP, is_step
+from checkpointd.manifest import CheckpointInfo, too_deep
+from checkpointd.plan import Snapshot
+from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
+from checkpointd.retention import RetentionPolicy
+from checkpointd.service import NewerSteps, WriteService
+from checkpointd.storage import LocalStore, open_store
+from checkpointd.tunables import (
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_PENDING,
+    MAX_JSON_DEPTH,
+    MAX_METADATA_BYTES,
+)
+
+__all__ = ["WriterBase"]
+
+_NEWER_STEPS = ("error", "keep", "discard")
+
+
+class WriterBase:
+    """What both front ends share: options, validation, pending handles, error surfacing.
+
+    Options: ``root`` is a local path or fsspec URL (``storage_options`` reach it);
+    ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
+    the retention rules (see RetentionPolicy), or pass ``retention=RetentionPolicy(...)``
+    instead (not both); ``max_pending`` snapshots may exist
+    at once (each one staging buffer, reused); ``max_concurrency`` files of a save
+    are written at once; ``background_niceness`` (Linux, CheckpointWriter only)
+    lowers the CPU priority of the writer's threads, so training steps keep the
+    cores while a save is in flight and the save takes longer.
+
+    ``newer_steps`` says what a save of a step older than the newest committed one
+    (after rolling back to an older checkpoint) does: ``"error"`` (default) refuses
+    it with StepOrderError, since readers resume from the newest step and would
+    skip it; ``"discard"`` saves it and, once it is committed, deletes the committed
+    steps newer than it (before retention runs); ``"keep"`` saves it and keeps them.
+    The writer lists the root once when it starts and then tracks its own commits.
+    A step equal to the newest committed one is CheckpointExistsError in every mode.
+
+    ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
+    ``storage_options``; they see committed checkpoints only (not pending saves).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        background_niceness: int = 0,
+        newer_steps: NewerSteps = "error",
+        retention: RetentionPolicy | None = None,
+    ) -> None:
+        for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+        if isinstance(background_niceness, bool) or background_niceness not in range(20):
+            raise InvalidArgumentError(
+                f"background_niceness must be an int from 0 to 19, not {background_niceness!r}"
+            )
+        if background_niceness and not sys.platform.startswith("linux"):
+            raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
+        if newer_steps not in _NEWER_STEPS:
+            raise InvalidArgumentError(
+                f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
+            )
+        loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        self.policy = _policy(retention, loose)
+        self.background_niceness = background_niceness
+        self.newer_steps: NewerSteps = newer_steps
+        self.root = str(root)
+        self.storage_options = None if storage_options is None else dict(storage_options)
+        self._store = open_store(self.root, self.storage_options)
+        local = self._store.root if isinstance(self._store, LocalStore) else None
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            raise StorageError(
+                errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
+            )
+        self._service = WriteService(
+            self._store, self.policy, max_pending, max_concurrency, newer_steps
+        )
+        self._generation = lifecycle.generation()
+        self._pending: list[SaveHandle] = []
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """Start the write service where the front end runs it; last step of __init__."""
+
+    @property
+    def _inherited(self) -> bool:
+        return lifecycle.inherited(self._generation)
+
+    def _check_usable(self) -> None:
+        if self._inherited:
+            raise WriterClosedError(
+                f"this writer for {self.root} was inherited through fork(): its background "
+                "thread exists only in the parent; create a new writer in this process"
+            )
+        if self._closed:
+            raise WriterClosedError("this writer is closed; create a new one")
+
+    def _before_save(
+        self,
+        step: int,
+        metrics: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Checks on the caller thread, before anything is captured; returns the plain
+        metrics and metadata."""
+        self._check_usable()
+        self._service.failures.raise_first()
+        if not is_step(step):
+            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
+        self._pending[:] = [h for h in self._pending if not h.done()]
+        if any(h.step == step for h in self._pending):
+            raise CheckpointExistsError(f"a save of step {step} is already in progress")
+        self._check_step_order(step)
+        plain_metrics, metrics_bytes = _plain_json(metrics, "metrics")
+        plain_metadata, metadata_bytes = _plain_json(metadata, "metadata")
+        if metrics_bytes + metadata_bytes > MAX_METADATA_BYTES:
+            raise UnsupportedValueError(
+                f"metrics and metadata of step {step} encode to {metrics_bytes + metadata_bytes} "
+                f"bytes; at most {MAX_METADATA_BYTES} fit in a manifest (readers refuse "
+                "larger ones): put large values in the state instead"
+            )
+        return plain_metrics, plain_metadata
+
+    def _check_step_order(self, step: int) -> None:
+        newest = self._service.newest
+        if step == newest:
+            raise CheckpointExistsError(f"step {step} is already committed under {self.root}")
+        if self.newer_steps != "error":
+            return
+        if newest is not None and step < newest:
+            what = f"step {newest}, the newest committed checkpoint"
+        elif any(h.step > step for h in self._pending):
+            what = f"step {max(h.step for h in self._pending)}, which is being saved,"
+        else:
+            return
+        raise StepOrderError(
+            f"step {step} is older than {what} under {self.root}: a resume would pick the "
+            "newer step and skip this one. Pass newer_steps='discard' to the writer to delete "
+            "the newer steps once this one is committed, or newer_steps='keep' to keep them"
+        )
+
+    def _snapshot(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        buffer: StagingBuffer,
+        plain: tuple[dict[str, Any], dict[str, Any]],
+    ) -> Snapshot:
+        created_at = datetime.now(UTC)
+        components = capture(state, buffer)
+        return Snapshot(step, components, buffer, created_at, *plain)
+
+    def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:
+        handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)
+        self._pending.append(handle)
+        return handle
+
+    def _list(self) -> list[CheckpointInfo]:
+        return list_checkpoints(self.root, storage_options=self.storage_options)
+
+    def _load(
+        self,
+        step: int | None,
+        components: Iterable[str] | None,
+        map_location: str | torch.device | None,
+        verify: bool,
+    ) -> Checkpoint:
+        return load(
+            self.root,
+            step,
+            components=components,
+            storage_options=self.storage_options,
+            map_location=map_location,
+            verify=verify,
+        )
+
+    def _restore(self, targets: Mapping[str, Any], step: int | None, strict: bool) -> RestoreInfo:
+        return restore(
+            self.root, targets, step, storage_options=self.storage_options, strict=strict
+        )
+
+
+def _policy(retention: RetentionPolicy | None, loose: RetentionPolicy) -> RetentionPolicy:
+    """The writer's policy: ``retention`` or the one made of the loose options, never both."""
+    if retention is None:
+        return loose
+    if not isinstance(retention, RetentionPolicy):
+        raise InvalidArgumentError(
+            f"retention must be a RetentionPolicy, not {type(retention).__qualname__}"
+        )
+    if loose != RetentionPolicy():
+        raise InvalidArgumentError(
+            "pass retention=RetentionPolicy(...) or keep_last/keep_every/keep_best/"
+            "best_metric/best_mode, not both"
+        )
+    return retention
+
+
+def _json_hook(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise UnsupportedValueError(f"{type(value).__qualname__} is not JSON-able")
+
+
+def _plain_json(value: Mapping[str, Any] | None, what: str) -> tuple[dict[str, Any], int]:
+    """A plain-JSON copy of ``value`` and its encoded size: scalar tensors and NumPy
+    scalars become numbers, NaN and infinities become null (JSON has neither)."""
+    if value is None:
+        return {}, 2
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise UnsupportedValueError(f"{what} must be a mapping with str keys")
+    try:
+        encoded = msgspec.json.encode(value, enc_hook=_json_hook)
+        plain: dict[str, Any] = msgspec.json.decode(encoded)
+    except (UnsupportedValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
+        raise UnsupportedValueError(f"{what} must be JSON-able: {exc}") from exc
+    except RecursionError:
+        raise UnsupportedValueError(
+            f"{what} nests deeper than {MAX_JSON_DEPTH} levels: readers refuse such a manifest"
+        ) from None
+    if too_deep(plain):
+        raise UnsupportedValueError(
+            f"{what} nests deeper than {MAX_JSON_DEPTH} levels: readers refuse such a manifest"
+        )
+    return plain, len(encoded)

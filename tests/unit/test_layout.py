@@ -1,0 +1,108 @@
+"""layout.py and tunables.py: the one home of naming rules, alignment and tunables."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpointd
+from checkpointd import directio, layout, tunables
+from checkpointd.catalog import step_folders
+from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
+from checkpointd.manifest import (
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+)
+from checkpointd.storage import LocalStore
+
+
+def test_step_dirname_round_trips() -> None:
+    for step in (0, 7, 10**6, layout.MAX_STEP):
+        name = layout.step_dirname(step)
+        assert len(name) == 12
+        assert layout.parse_step_dirname(name) == step
+    assert layout.parse_step_dirname("00000000001") is None  # 11 digits
+    assert layout.parse_step_dirname("0000000000001") is None  # 13 digits
+    assert layout.parse_step_dirname("00000000000x") is None
+
+
+def test_folders_named_with_non_ascii_digits_are_not_steps(tmp_path: Path) -> None:
+    # Before: the catalog matched r"\d{12}", which takes any Unicode digit, and int()
+    # parses them, so this folder listed as step 12 (whose folder is not this one).
+    (tmp_path / ("\u0660" * 10 + "\u0661\u0662")).mkdir()
+    (tmp_path / "000000000005").mkdir()
+    store = LocalStore(str(tmp_path))
+    assert step_folders(store) == [5]
+
+
+def _manifest(component: str) -> bytes:
+    return encode_manifest(
+        Manifest(
+            schema_version=1,
+            step=1,
+            created_at=datetime.now(UTC),
+            library_version="test",
+            components={component: ComponentEntry(tree="t.tree.msgpack")},
+            files=[FileEntry("t.tree.msgpack", 1, 0)],
+        )
+    )
+
+
+@pytest.mark.parametrize("name", ["model", "a" * 128, "_x", "0", "opt-1", "Z_9-z"])
+def test_a_name_save_accepts_is_a_name_readers_accept(name: str) -> None:
+    assert layout.check_component_name(name) == name
+    assert decode_manifest(_manifest(name)).components.keys() == {name}
+
+
+@pytest.mark.parametrize("name", ["a.b", "a" * 129, "-a", "", ".hidden", "a/b", "é"])
+def test_save_and_readers_refuse_the_same_names(name: str) -> None:
+    # Before: save refused "a.b" and 129-200 character names, readers accepted them.
+    with pytest.raises(UnsupportedValueError, match="component name"):
+        layout.check_component_name(name)
+    with pytest.raises(CorruptCheckpointError, match="component name"):
+        decode_manifest(_manifest(name))
+
+
+def test_save_refuses_a_bad_component_name(tmp_path: Path) -> None:
+    with (
+        checkpointd.CheckpointWriter(str(tmp_path)) as writer,
+        pytest.raises(UnsupportedValueError, match="component name"),
+    ):
+        writer.save(1, {"a.b": torch.zeros(1)})
+
+
+def test_longest_component_name_gives_safe_file_names() -> None:
+    name = "a" * 128
+    token = "0123abcd"
+    for file in (layout.tree_file_name(name, token), layout.tensor_file_name(name, token)):
+        assert layout.is_safe_file_name(file)
+
+
+def test_direct_io_alignment_has_one_home() -> None:
+    assert directio.DIRECT_ALIGN is layout.DIRECT_ALIGN
+    assert directio.DIRECT_MIN_BYTES is tunables.DIRECT_MIN_BYTES
+    assert layout.DIRECT_ALIGN % layout.HEADER_ALIGN == 0
+
+
+def test_every_tunable_is_documented() -> None:
+    """Each tunable is assigned once in tunables.py and followed by its docstring."""
+    body = ast.parse(inspect.getsource(tunables)).body
+    documented = {
+        stmt.targets[0].id
+        for stmt, after in itertools.pairwise(body)
+        if isinstance(stmt, ast.Assign)
+        and isinstance(stmt.targets[0], ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }
+    assert set(tunables.__all__) == documented

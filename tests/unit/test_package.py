@@ -1,0 +1,93 @@
+"""The package root: lazy public names, no torch on import, no import cycles, one error root."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import checkpointd
+import checkpointd.catalog
+import checkpointd.retention
+from checkpointd import errors
+
+SRC = pathlib.Path(checkpointd.__file__).parent
+
+
+def _run(code: str) -> None:
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_import_checkpointd_does_not_import_torch() -> None:
+    _run("import checkpointd, sys; assert 'torch' not in sys.modules, 'torch imported'")
+
+
+def test_listing_names_do_not_import_torch() -> None:
+    # What `ls`-like tools touch: the errors, the policy and CheckpointInfo.
+    _run(
+        "import sys, checkpointd\n"
+        "checkpointd.CheckpointInfo, checkpointd.RetentionPolicy, checkpointd.CheckpointError\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+
+
+def test_every_public_name_resolves_in_a_fresh_interpreter() -> None:
+    _run(
+        "import checkpointd\n"
+        "missing = [n for n in checkpointd.__all__ if getattr(checkpointd, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert set(checkpointd.__all__) <= set(dir(checkpointd))"
+    )
+
+
+def test_public_names_win_over_submodules_of_the_same_name() -> None:
+    # checkpointd.restore is the function, also once the submodule restore is imported.
+    _run(
+        "import checkpointd.restore, checkpointd.writer, checkpointd\n"
+        "assert callable(checkpointd.restore) and checkpointd.restore.__name__ == 'restore'\n"
+        "from checkpointd.restore import RestoreInfo\n"
+        "assert checkpointd.RestoreInfo is RestoreInfo"
+    )
+
+
+def test_all_lists_exactly_the_lazy_names() -> None:
+    assert set(checkpointd.__all__) == {*checkpointd._HOME_OF, "__version__"}
+    for name in checkpointd.__all__:
+        assert hasattr(checkpointd, name), name
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = checkpointd.no_such_name  # type: ignore[attr-defined]
+
+
+def test_warnings_are_exported_and_are_the_ones_emitted() -> None:
+    assert checkpointd.RetentionWarning is checkpointd.retention.RetentionWarning
+    assert checkpointd.CheckpointWarning is checkpointd.catalog.CheckpointWarning
+
+
+def test_no_module_imports_a_name_from_the_package_root() -> None:
+    """``from checkpointd import X`` inside the package is a cycle (commit -> root for
+    __version__ was one); only submodules may be imported that way."""
+    modules = {p.stem for p in SRC.glob("*.py")} | {p.name for p in SRC.iterdir() if p.is_dir()}
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "checkpointd"
+                and node.level == 0
+            ):
+                offenders += [f"{path.name}: {a.name}" for a in node.names if a.name not in modules]
+    assert not offenders
+
+
+def test_every_exception_class_derives_from_checkpoint_error() -> None:
+    classes = [getattr(errors, n) for n in errors.__all__]
+    exceptions = [c for c in classes if not issubclass(c, Warning)]
+    assert all(issubclass(c, errors.CheckpointError) for c in exceptions)
+    assert issubclass(errors.InvalidArgumentError, ValueError)
+    assert issubclass(errors.CheckpointTimeoutError, TimeoutError)

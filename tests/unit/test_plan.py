@@ -1,0 +1,100 @@
+"""plan.py decides what a save writes; commit.py makes any plan durable without knowing
+about components (the seam for many ranks and incremental references)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from checkpointd import layout
+from checkpointd.capture import StagingBuffer, capture
+from checkpointd.catalog import read_manifest
+from checkpointd.commit import commit_plan
+from checkpointd.errors import CheckpointExistsError
+from checkpointd.format import header_length
+from checkpointd.manifest import CheckpointInfo
+from checkpointd.plan import SavePlan, Snapshot, WriteFile, plan_snapshot
+from checkpointd.restore import load
+from checkpointd.retention import WriterIdentity
+from checkpointd.storage import LocalStore
+from checkpointd.tunables import DIRECT_MIN_BYTES
+
+
+def _snapshot(step: int = 1) -> Snapshot:
+    state = {
+        "big": {"w": torch.ones(DIRECT_MIN_BYTES // 4, dtype=torch.float32)},
+        "small": {"b": torch.arange(3), "lr": 0.1},
+        "meta": {"epoch": 2},
+    }
+    buffer = StagingBuffer()
+    return Snapshot(step, capture(state, buffer), buffer, datetime.now(UTC), {"loss": 1.0}, {})
+
+
+def test_plan_lists_a_tree_file_per_component_and_a_tensor_file_when_it_has_tensors() -> None:
+    plan = plan_snapshot(_snapshot(), token="0123abcd")
+    names = [f.name for f in plan.files]
+    assert names == [
+        "big.0123abcd.tree.msgpack",
+        "big.0123abcd.safetensors",
+        "small.0123abcd.tree.msgpack",
+        "small.0123abcd.safetensors",
+        "meta.0123abcd.tree.msgpack",
+    ]
+    assert all(f.rank == 0 for f in plan.files)
+    assert [f.component for f in plan.files] == ["big", "big", "small", "small", "meta"]
+    assert plan.components["meta"].tensors == []
+    assert plan.components["big"].tensors == ["big.0123abcd.safetensors"]
+    assert plan.components["small"].num_tensors == 1  # "lr" is a float in the tree
+
+
+def test_large_data_regions_start_direct_io_aligned() -> None:
+    plan = plan_snapshot(_snapshot(), token="0123abcd")
+    by_name = {f.name: f for f in plan.files}
+    for name, align in (("big", layout.DIRECT_ALIGN), ("small", layout.HEADER_ALIGN)):
+        header = bytes(by_name[f"{name}.0123abcd.safetensors"].parts[0])
+        start = 8 + header_length(header, len(header), where=name)
+        assert start % align == 0
+        assert len(header) == start  # the header part ends where the data begins
+    assert start < layout.DIRECT_ALIGN  # the small one is not padded to 4 KiB
+    assert plan.files[0].size == len(bytes(plan.files[0].parts[0]))
+
+
+def test_commit_writes_any_plan_it_is_given(tmp_path: Path) -> None:
+    """No component, tree or safetensors knowledge in commit: plain files commit too."""
+    store = LocalStore(str(tmp_path))
+    parts = [b"hello ", np.arange(4, dtype=np.uint8).tobytes()]
+    plan = SavePlan(7, [WriteFile("notes.bin", parts, "")], {}, datetime.now(UTC), {}, {})
+    identity = WriterIdentity()
+
+    async def commit() -> CheckpointInfo:
+        return await commit_plan(store, plan, anyio.CapacityLimiter(2), identity=identity)
+
+    info = anyio.run(commit)
+
+    assert info.step == 7
+    assert (tmp_path / "000000000007" / "notes.bin").read_bytes() == b"hello \x00\x01\x02\x03"
+    manifest = read_manifest(store, 7)
+    assert [(f.path, f.size, f.rank) for f in manifest.files] == [("notes.bin", 10, 0)]
+    assert manifest.writer == identity.id
+    with pytest.raises(CheckpointExistsError):
+        anyio.run(commit)
+
+
+def test_a_planned_snapshot_commits_and_loads(tmp_path: Path) -> None:
+    store = LocalStore(str(tmp_path))
+    plan = plan_snapshot(_snapshot(3))
+
+    async def commit() -> None:
+        await commit_plan(store, plan, anyio.CapacityLimiter(4))
+
+    anyio.run(commit)
+    checkpoint = load(str(tmp_path))
+    assert checkpoint.info.step == 3
+    assert checkpoint.info.metrics == {"loss": 1.0}
+    assert torch.equal(checkpoint.state["small"]["b"], torch.arange(3))
+    assert checkpoint.state["meta"] == {"epoch": 2}
