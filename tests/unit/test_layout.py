@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import directio, layout, tunables
+from checkpointd import layout, tunables
 from checkpointd.catalog import step_folders
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
 from checkpointd.manifest import (
@@ -22,7 +22,7 @@ from checkpointd.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from checkpointd.storage import LocalStore
+from checkpointd.storage import LocalStore, directio
 
 
 def test_step_dirname_round_trips() -> None:
