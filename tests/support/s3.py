@@ -12,15 +12,16 @@ CREDENTIALS = {"key": "testing", "secret": "testing"}
 REGION = "us-east-1"
 
 
-@dataclass
-class MotoS3:
-    server: ThreadedMotoServer
+class S3Endpoint:
+    """What the tests need from any S3 server: s3fs options, a boto3 client, buckets."""
+
     endpoint: str
+    credentials: dict[str, str] = CREDENTIALS
 
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
         """s3fs options that reach this server (or ``endpoint``, e.g. a fault proxy in front)."""
         return {
-            **CREDENTIALS,
+            **self.credentials,
             "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": REGION},
             "skip_instance_cache": True,
         }
@@ -30,13 +31,19 @@ class MotoS3:
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
-            aws_access_key_id=CREDENTIALS["key"],
-            aws_secret_access_key=CREDENTIALS["secret"],
+            aws_access_key_id=self.credentials["key"],
+            aws_secret_access_key=self.credentials["secret"],
             region_name=REGION,
         )
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
+
+
+@dataclass
+class MotoS3(S3Endpoint):
+    server: ThreadedMotoServer
+    endpoint: str
 
     def stop(self) -> None:
         self.server.stop()

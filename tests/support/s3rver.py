@@ -14,11 +14,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import boto3
+from tests.support.s3 import S3Endpoint
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_DIR = REPO / ".cache" / "s3rver"
@@ -34,32 +33,12 @@ class S3rverMissing(Exception):
 
 
 @dataclass
-class S3rver:
+class S3rver(S3Endpoint):
     process: subprocess.Popen[str]
     reader: threading.Thread
     endpoint: str
     directory: str
-
-    def storage_options(self) -> dict[str, Any]:
-        """s3fs options that reach this server."""
-        return {
-            **CREDENTIALS,
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "skip_instance_cache": True,
-        }
-
-    def client(self) -> Any:
-        """A boto3 S3 client for checks from the test's side."""
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=CREDENTIALS["key"],
-            aws_secret_access_key=CREDENTIALS["secret"],
-            region_name=REGION,
-        )
-
-    def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(Bucket=name)
+    credentials: dict[str, str] = field(default_factory=lambda: dict(CREDENTIALS))
 
     def stop(self) -> None:
         _stop(self.process, self.reader)
