@@ -25,13 +25,11 @@ from checkpointd.format import (
     DTypeNode,
     NumpyScalarNode,
     StateDictNode,
-    TensorEntry,
     TensorRef,
     TupleNode,
-    check_storable,
     numpy_scalar_node,
-    shape_fits,
 )
+from checkpointd.header import TensorEntry, check_storable, shape_fits
 from checkpointd.layout import REGION_ALIGN as _REGION_ALIGN
 from checkpointd.layout import check_component_name
 from checkpointd.stateful import component_state

@@ -25,7 +25,8 @@ from typing import Any, TypeAlias
 
 from checkpointd.capture import CapturedComponent, StagingBuffer
 from checkpointd.checksum import BytesLike
-from checkpointd.format import encode_safetensors_header, encode_tree
+from checkpointd.format import encode_tree
+from checkpointd.header import encode_safetensors_header
 from checkpointd.layout import DIRECT_ALIGN, HEADER_ALIGN, tensor_file_name, tree_file_name
 from checkpointd.manifest import ComponentEntry
 from checkpointd.tunables import DIRECT_MIN_BYTES

@@ -27,7 +27,7 @@ from checkpointd.storage import Store
 if TYPE_CHECKING:
     import torch
 
-    from checkpointd.format import TensorEntry
+    from checkpointd.header import TensorEntry
 
 __all__ = ["StepReader", "verify_step"]
 """Bytes per read when a file is streamed through CRC32C (verify)."""
@@ -106,7 +106,7 @@ class StepReader:
 
     def header(self, name: str) -> list[TensorEntry]:
         """The tensor entries of a tensor file, reading only its length prefix and header."""
-        from checkpointd.format import header_length, parse_safetensors_header
+        from checkpointd.header import header_length, parse_safetensors_header
 
         path, at = f"{self.folder}/{name}", f"{self.where}/{name}"
         size = self._size(name)
@@ -119,7 +119,7 @@ class StepReader:
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
-        from checkpointd.format import header_length, parse_safetensors_header
+        from checkpointd.header import header_length, parse_safetensors_header
 
         data = self.read(name)
         where = f"{self.where}/{name}"

@@ -28,7 +28,7 @@ from checkpointd.errors import (
     IncompatibleCheckpointError,
     StorageError,
 )
-from checkpointd.format import header_length, parse_safetensors_header
+from checkpointd.header import header_length, parse_safetensors_header
 from checkpointd.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
 from tests.support.files import component_file
 

@@ -11,19 +11,21 @@ import torch
 
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format import (
-    DTYPE_CODES,
     BigInt,
     DTypeNode,
     NumpyScalarNode,
     StateDictNode,
-    TensorEntry,
     TensorRef,
     TupleNode,
     decode_tree,
-    encode_safetensors_header,
     encode_tree,
-    header_length,
     numpy_scalar_node,
+)
+from checkpointd.header import (
+    DTYPE_CODES,
+    TensorEntry,
+    encode_safetensors_header,
+    header_length,
     parse_safetensors_header,
     shape_fits,
 )

@@ -16,7 +16,7 @@ from checkpointd.capture import StagingBuffer, capture
 from checkpointd.catalog import read_manifest
 from checkpointd.commit import commit_plan
 from checkpointd.errors import CheckpointExistsError
-from checkpointd.format import header_length
+from checkpointd.header import header_length
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.plan import SavePlan, Snapshot, WriteFile, plan_snapshot
 from checkpointd.restore import load
