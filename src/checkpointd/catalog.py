@@ -88,7 +88,11 @@ def raise_damaged(step: int, error: CheckpointError) -> None:
 
 
 def scan(
-    store: Store, *, newest_first: bool = True, on_damaged: OnDamaged = warn_damaged
+    store: Store,
+    *,
+    newest_first: bool = True,
+    on_damaged: OnDamaged = warn_damaged,
+    known: dict[int, Manifest] | None = None,
 ) -> Iterator[tuple[int, Manifest]]:
     """Yield (step, manifest) of every committed step, newest first (or ascending).
 
@@ -97,9 +101,20 @@ def scan(
     newest is intact. A folder without a manifest is skipped silently; a manifest
     that exists but cannot be read (damaged, hostile, newer, a storage error) goes
     to ``on_damaged`` (default: a CheckpointWarning) and costs only its own step.
+
+    ``known``: manifests read by earlier scans of this root, reused instead of read
+    again (a committed manifest never changes) and updated in place; steps no longer
+    listed are dropped from it. A writer passes one, so its retention pass reads only
+    the manifests committed since its last pass.
     """
     steps = step_folders(store)
+    if known is not None:
+        for gone in known.keys() - set(steps):
+            del known[gone]
     for step in reversed(steps) if newest_first else steps:
+        if known is not None and step in known:
+            yield step, known[step]
+            continue
         try:
             manifest = read_manifest(store, step)
         except CheckpointNotFoundError:
@@ -107,6 +122,8 @@ def scan(
         except CheckpointError as exc:
             on_damaged(step, exc)
             continue
+        if known is not None:
+            known[step] = manifest
         yield step, manifest
 
 
@@ -128,9 +145,11 @@ def resolve(
     return newest(store, on_damaged=on_damaged)
 
 
-def committed(store: Store, *, newest_first: bool = False) -> list[tuple[int, Manifest]]:
+def committed(
+    store: Store, *, newest_first: bool = False, known: dict[int, Manifest] | None = None
+) -> list[tuple[int, Manifest]]:
     """Every committed step with its manifest, ascending (or newest first); see ``scan``."""
-    return list(scan(store, newest_first=newest_first))
+    return list(scan(store, newest_first=newest_first, known=known))
 
 
 def infos(store: Store) -> list[CheckpointInfo]:

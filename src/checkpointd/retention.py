@@ -247,11 +247,15 @@ def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
 
 
 def _plan(
-    store: Store, policy: RetentionPolicy, protect: tuple[int, ...], identity: WriterIdentity | None
+    store: Store,
+    policy: RetentionPolicy,
+    protect: tuple[int, ...],
+    identity: WriterIdentity | None,
+    known: dict[int, Manifest] | None,
 ) -> tuple[list[int], tuple[int, ...]]:
     """(steps to delete, unranked steps) for ``policy``, sparing another writer's fresh
     checkpoints when ``identity`` is given. Worker thread."""
-    found = committed_manifests(store)
+    found = committed_manifests(store, known=known)
     checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]
     plan = plan_retention(checkpoints, policy, protect=protect)
     if identity is not None and plan.delete:
@@ -280,6 +284,7 @@ async def apply_retention(
     *,
     committed_step: int | None = None,
     identity: WriterIdentity | None = None,
+    known: dict[int, Manifest] | None = None,
 ) -> list[int]:
     """Delete the committed checkpoints ``policy`` drops; return their steps, oldest first.
 
@@ -290,12 +295,13 @@ async def apply_retention(
     With ``identity`` (the writer's), checkpoints another writer committed within
     ``identity.grace()`` seconds are kept too (see retention's module docstring).
     Warns (RetentionWarning) if ``committed_step`` lacks the best metric.
+    ``known`` caches manifests across passes (see ``catalog.scan``).
     """
     if not policy.deletes_anything:
         return []
     protect = () if committed_step is None else (committed_step,)
     victims, unranked = await anyio.to_thread.run_sync(
-        functools.partial(_plan, store, policy, protect, identity), limiter=limiter
+        functools.partial(_plan, store, policy, protect, identity, known), limiter=limiter
     )
     deleted: list[int] = []
     for step in victims:

@@ -25,6 +25,7 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.handle import Failures, SaveHandle, first_leaf
+from checkpointd.manifest import Manifest
 from checkpointd.plan import Snapshot, plan_snapshot
 from checkpointd.retention import (
     RetentionPolicy,
@@ -86,6 +87,7 @@ class WriteService:
         self.store = store
         self.policy = policy
         self.identity = WriterIdentity()  # recorded in its manifests; see retention
+        self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused
         self.max_pending = max_pending
         self.max_concurrency = max_concurrency
         self.newer_steps = newer_steps
@@ -155,7 +157,12 @@ class WriteService:
                 self.newest = max(info.step, -1 if self.newest is None else self.newest)
             # After the discard: retention must not count the abandoned steps as the newest.
             await apply_retention(
-                self.store, self.policy, limiter, committed_step=info.step, identity=self.identity
+                self.store,
+                self.policy,
+                limiter,
+                committed_step=info.step,
+                identity=self.identity,
+                known=self._manifests,
             )
         except Exception as exc:
             # The checkpoint is committed; the failure is reported on its own.

@@ -11,7 +11,7 @@ import torch
 import checkpointd
 from checkpointd import catalog
 from checkpointd.catalog import CheckpointWarning
-from checkpointd.storage import open_store
+from checkpointd.storage import LocalStore, open_store
 
 STEPS = range(1, 31)
 
@@ -85,3 +85,24 @@ def test_scan_is_lazy_and_ordered(root: str, reads: list[int]) -> None:
 def test_list_checkpoints_reads_every_manifest(root: str, reads: list[int]) -> None:
     assert [c.step for c in checkpointd.list_checkpoints(root)] == list(STEPS)
     assert sorted(reads) == list(STEPS)
+
+
+def test_a_writers_retention_reads_each_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention after every save used to decode every manifest of the root again."""
+    root = str(tmp_path / "ckpt")
+    reads: list[str] = []
+    real_read_bytes = LocalStore.read_bytes
+
+    def read_bytes(self: LocalStore, path: str, offset: int = 0, size: int | None = None) -> bytes:
+        if path.endswith("manifest.json"):
+            reads.append(path.partition("/")[0])
+        return real_read_bytes(self, path, offset, size)
+
+    monkeypatch.setattr(LocalStore, "read_bytes", read_bytes)
+    with checkpointd.CheckpointWriter(root, keep_every=2) as writer:
+        for step in range(1, 9):
+            writer.save(step, {"w": torch.full((2,), float(step))}).result(timeout=60)
+    assert sorted(reads) == [f"{step:012d}" for step in range(1, 9)]
+    assert [i.step for i in checkpointd.list_checkpoints(root)] == [2, 4, 6, 8]
