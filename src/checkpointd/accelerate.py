@@ -75,7 +75,7 @@ class _SamplerPosition:
         self.sampler = get_sampler(dataloader)
 
     def state_dict(self) -> dict[str, Any]:
-        from accelerate.data_loader import SeedableRandomSampler  # type: ignore[import-untyped]
+        from accelerate.data_loader import SeedableRandomSampler
 
         sampler = self.sampler
         state: dict[str, Any] = {"iteration": int(getattr(self.dataloader, "iteration", 0))}
