@@ -227,3 +227,11 @@ def test_kill9_during_fit_leaves_only_loadable_checkpoints(tmp_path: Path) -> No
         loadable += 1
         assert set(checkpoint) >= {"state_dict", "optimizer_states", "loops", "callbacks"}
     assert loadable >= 2
+
+
+def test_unified_lightning_package(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    lightning_job.fit(str(tmp_path), max_epochs=1, name="lightning")
+    assert (
+        CheckpointdIO(restore_rng=False).load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 8
+    )
