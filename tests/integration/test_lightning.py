@@ -235,3 +235,12 @@ def test_unified_lightning_package(tmp_path: Path) -> None:
     assert (
         CheckpointdIO(restore_rng=False).load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 8
     )
+
+
+def test_benchmark_runs_in_its_smallest_mode() -> None:
+    from benchmarks import bench_lightning
+
+    tiny = ["--repeat", "1", "--steps", "4", "--every", "2", "--width", "16", "--layers", "1"]
+    summary = bench_lightning.main(tiny)
+    assert set(summary) == {"torch", "async", "checkpointd"}
+    assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
