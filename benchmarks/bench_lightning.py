@@ -25,7 +25,7 @@ IOS = ("torch", "async", "checkpointd")
 
 
 def _module(pl: Any, width: int, layers: int) -> Any:
-    class MLP(pl.LightningModule):  # type: ignore[misc, name-defined]
+    class MLP(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
