@@ -119,6 +119,16 @@ def _open(args: argparse.Namespace) -> Iterator[Store]:
 # inspect
 
 
+def _spec_line(entry: dict[str, Any]) -> str:
+    """``kind module.qualname(args) over other`` for one manifest spec."""
+    shown = [
+        *map(json.dumps, entry["args"]),
+        *(f"{k}={json.dumps(v)}" for k, v in entry["kwargs"].items()),
+    ]
+    over = f" over {entry['of']}" if entry["of"] else ""
+    return f"{entry['kind']} {entry['module']}.{entry['qualname']}({', '.join(shown)}){over}"
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from checkpointd.describe import describe
 
@@ -136,6 +146,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(f"  metrics   {_metrics(info['metrics']) or '-'}")
     print(f"  metadata  {json.dumps(info['metadata']) if info['metadata'] else '-'}")
+    for name, entry in info["specs"].items():
+        print(f"  spec      {name}: {_spec_line(entry)}")
     for name, component in info["components"].items():
         tensors = component["tensors"]
         count = f"{len(tensors)} tensor{'' if len(tensors) == 1 else 's'}"
