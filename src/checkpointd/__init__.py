@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         WriterClosedError,
         WrongThreadError,
     )
+    from checkpointd.foreign import import_checkpoint
     from checkpointd.manifest import CheckpointInfo
     from checkpointd.progress import TrainingProgress
     from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
@@ -78,6 +79,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "WrongThreadError",
     ),
     "checkpointd.build": ("build",),
+    "checkpointd.foreign": ("import_checkpoint",),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
     "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
@@ -122,6 +124,7 @@ __all__ = [
     "WrongThreadError",
     "__version__",
     "build",
+    "import_checkpoint",
     "list_checkpoints",
     "load",
     "restore",

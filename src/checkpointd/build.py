@@ -51,10 +51,16 @@ DENY = (
     "pty.",
     "socket.",
     "torch.hub.",
+    "torch.ops.",
+    "torch.library.",
+    "torch.package.",
+    "torch.utils.cpp_extension.",
     "torch.serialization.",
     "torch.load",
 )
-"""Paths refused even when ``allow`` admits them: code execution, files, processes."""
+"""Paths refused even when ``allow`` admits them: code execution, files, processes,
+native libraries. A safety net, not a sandbox: keep ``allow`` to the packages
+that define your models (``mypkg.models``) plus BUILTIN_ALLOW."""
 
 Validator = Callable[[str, Any, CheckpointInfo], object]
 

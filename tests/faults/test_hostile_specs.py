@@ -62,6 +62,7 @@ def _raw_rewrite(path: Path, name: str, raw: dict[str, Any]) -> None:
         ("subprocess", "Popen", ALLOW),
         ("posix", "system", ("posix",)),
         ("torch.hub", "load", ("torch.",)),
+        ("torch.utils.cpp_extension", "load", ("torch.",)),
         ("tests.support.specprobe", "Probe", ALLOW),  # outside allow: never imported
         ("tests.support.specprobe", "Probe", ("tests.support.spec",)),  # prefix is per part
         ("tests.support.specprobe", "Probe", ()),  # nothing allowed by default

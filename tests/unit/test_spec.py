@@ -152,6 +152,18 @@ def test_changed_spec_warns_against_the_previous_checkpoint(tmp_path: Path) -> N
     assert _manifest(tmp_path, 2).specs["model"].args == [16]
 
 
+def test_async_writer_stores_specs(tmp_path: Path) -> None:
+    import anyio
+
+    async def main() -> None:
+        async with checkpointd.AsyncCheckpointWriter(str(tmp_path)) as writer:
+            handle = await writer.save(1, _setup(), specs=_specs())
+            await handle.wait()
+
+    anyio.run(main)
+    assert _manifest(tmp_path, 1).specs["scheduler"].of == "optimizer"
+
+
 def test_inspect_lists_specs(tmp_path: Path) -> None:
     with checkpointd.CheckpointWriter(str(tmp_path)) as writer:
         writer.save(1, _setup(), specs=_specs()).result(timeout=60)
