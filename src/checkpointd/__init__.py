@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointd._version import __version__
 
 if TYPE_CHECKING:
+    from checkpointd.build import build
     from checkpointd.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -30,21 +31,26 @@ if TYPE_CHECKING:
         InvalidArgumentError,
         RestoreMismatchError,
         RetentionWarning,
+        SpecChangedWarning,
         StepOrderError,
         StorageCapabilityWarning,
         StorageError,
         StorageFullError,
         StorageNotFoundError,
         StoragePermissionError,
+        UnsafeSpecError,
         UnsupportedValueError,
+        ValidationFailedError,
         WriterClosedError,
         WrongThreadError,
     )
+    from checkpointd.foreign import import_checkpoint
     from checkpointd.manifest import CheckpointInfo
     from checkpointd.progress import TrainingProgress
     from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
     from checkpointd.retention import RetentionPolicy
     from checkpointd.rng import RNGState
+    from checkpointd.spec import spec
     from checkpointd.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
 
 _HOMES: dict[str, tuple[str, ...]] = {
@@ -64,16 +70,22 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "StorageError",
         "StorageFullError",
         "StorageNotFoundError",
+        "SpecChangedWarning",
         "StoragePermissionError",
+        "UnsafeSpecError",
         "UnsupportedValueError",
+        "ValidationFailedError",
         "WriterClosedError",
         "WrongThreadError",
     ),
+    "checkpointd.build": ("build",),
+    "checkpointd.foreign": ("import_checkpoint",),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
     "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
     "checkpointd.retention": ("RetentionPolicy",),
     "checkpointd.rng": ("RNGState",),
+    "checkpointd.spec": ("spec",),
     "checkpointd.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -97,6 +109,7 @@ __all__ = [
     "RetentionPolicy",
     "RetentionWarning",
     "SaveHandle",
+    "SpecChangedWarning",
     "StepOrderError",
     "StorageCapabilityWarning",
     "StorageError",
@@ -104,13 +117,18 @@ __all__ = [
     "StorageNotFoundError",
     "StoragePermissionError",
     "TrainingProgress",
+    "UnsafeSpecError",
     "UnsupportedValueError",
+    "ValidationFailedError",
     "WriterClosedError",
     "WrongThreadError",
     "__version__",
+    "build",
+    "import_checkpoint",
     "list_checkpoints",
     "load",
     "restore",
+    "spec",
 ]
 
 

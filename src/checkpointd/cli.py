@@ -119,6 +119,16 @@ def _open(args: argparse.Namespace) -> Iterator[Store]:
 # inspect
 
 
+def _spec_line(entry: dict[str, Any]) -> str:
+    """``kind module.qualname(args) over other`` for one manifest spec."""
+    shown = [
+        *map(json.dumps, entry["args"]),
+        *(f"{k}={json.dumps(v)}" for k, v in entry["kwargs"].items()),
+    ]
+    over = f" over {entry['of']}" if entry["of"] else ""
+    return f"{entry['kind']} {entry['module']}.{entry['qualname']}({', '.join(shown)}){over}"
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from checkpointd.describe import describe
 
@@ -136,6 +146,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(f"  metrics   {_metrics(info['metrics']) or '-'}")
     print(f"  metadata  {json.dumps(info['metadata']) if info['metadata'] else '-'}")
+    for name, entry in info["specs"].items():
+        print(f"  spec      {name}: {_spec_line(entry)}")
     for name, component in info["components"].items():
         tensors = component["tensors"]
         count = f"{len(tensors)} tensor{'' if len(tensors) == 1 else 's'}"
@@ -313,8 +325,34 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from checkpointd.export import export_component
+    from checkpointd.export import export_component, export_dcp, export_hf
 
+    if args.format == "dcp":
+        wanted = None if args.component is None else [args.component]
+        done = export_dcp(
+            args.root,
+            args.to,
+            components=wanted,
+            step=args.step,
+            storage_options=storage_options(args),
+        )
+        print(f"exported step {done.step} to DCP folder {args.to}: {_size(done.nbytes)}")
+        return 0
+    if args.component is None:
+        raise ValueError(f"--format {args.format} needs --component NAME")
+    if args.format == "hf":
+        done = export_hf(
+            args.root,
+            args.component,
+            args.to,
+            step=args.step,
+            storage_options=storage_options(args),
+        )
+        print(
+            f"exported component {args.component!r} of step {done.step} to Hugging Face folder "
+            f"{args.to}: {done.tensors} tensors, {_size(done.nbytes)}"
+        )
+        return 0
     done = export_component(
         args.root,
         args.component,
@@ -331,6 +369,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(
         f"exported component {args.component!r} of step {done.step} to {args.to}: "
         f"{summary}, {_size(done.nbytes)}"
+    )
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from checkpointd.foreign import import_checkpoint
+
+    done = import_checkpoint(
+        args.source,
+        args.root,
+        step=args.step,
+        component=args.component,
+        storage_options=storage_options(args),
+    )
+    print(
+        f"imported {done.kind} checkpoint {args.source} as step {done.step} of {args.root}: "
+        f"components {', '.join(done.components)}"
     )
     return 0
 
@@ -429,20 +484,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gc.set_defaults(handler=_cmd_gc)
 
+    _add_conversions(commands, common, root_help)
+    return parser
+
+
+def _add_conversions(commands: Any, common: argparse.ArgumentParser, root_help: str) -> None:
+    """The ``export`` and ``import`` subcommands."""
     export = commands.add_parser(
         "export", parents=[common], help="write one component as a .safetensors or .pt file"
     )
     export.add_argument("root", help=root_help)
     export.add_argument("--step", type=int, help="the step (default: the newest)")
-    export.add_argument("--component", required=True, metavar="NAME", help="component to export")
+    export.add_argument(
+        "--component", metavar="NAME", help="component to export (--format dcp: default all)"
+    )
+    export.add_argument(
+        "--format",
+        choices=("file", "hf", "dcp"),
+        default="file",
+        help="file: one FILE; hf: a Hugging Face safetensors folder with its index; "
+        "dcp: a torch.distributed.checkpoint folder",
+    )
     export.add_argument(
         "--to",
         required=True,
-        metavar="FILE",
-        help="FILE.safetensors (tensors only, dotted names) or FILE.pt (torch.save of the tree)",
+        metavar="PATH",
+        help="file: FILE.safetensors (tensors only, dotted names) or FILE.pt (torch.save of "
+        "the tree); hf, dcp: a new folder",
     )
     export.set_defaults(handler=_cmd_export)
-    return parser
+
+    imp = commands.add_parser(
+        "import",
+        parents=[common],
+        help="commit a torch.save file, safetensors file, HF folder or DCP folder as a checkpoint",
+    )
+    imp.add_argument("source", help="a .pt/.pth/.ckpt, .safetensors, HF folder or DCP folder")
+    imp.add_argument("root", help=root_help)
+    imp.add_argument("--step", type=int, help="the step (default: Lightning's global_step, else 0)")
+    imp.add_argument("--component", metavar="NAME", help="put everything in this one component")
+    imp.set_defaults(handler=_cmd_import)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

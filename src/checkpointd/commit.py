@@ -134,6 +134,7 @@ async def commit_plan(
             files=sorted(committed, key=lambda f: f.path),
             metrics=plan.metrics,
             metadata=plan.metadata,
+            specs=plan.specs,
             writer="" if identity is None else identity.id,
         )
         try:

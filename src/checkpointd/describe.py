@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from checkpointd import catalog
 from checkpointd.reader import StepReader
 from checkpointd.storage import Store
@@ -53,6 +55,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         "world_size": manifest.world_size,
         "metrics": manifest.metrics,
         "metadata": manifest.metadata,
+        "specs": {name: msgspec.to_builtins(entry) for name, entry in manifest.specs.items()},
         "components": components,
         "files": [
             {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}"} for f in manifest.files

@@ -21,13 +21,16 @@ __all__ = [
     "InvalidArgumentError",
     "RestoreMismatchError",
     "RetentionWarning",
+    "SpecChangedWarning",
     "StepOrderError",
     "StorageCapabilityWarning",
     "StorageError",
     "StorageFullError",
     "StorageNotFoundError",
     "StoragePermissionError",
+    "UnsafeSpecError",
     "UnsupportedValueError",
+    "ValidationFailedError",
     "WriterClosedError",
     "WrongThreadError",
 ]
@@ -96,6 +99,19 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """A file or folder the operation needs does not exist in the storage."""
+
+
+class UnsafeSpecError(CheckpointError):
+    """A spec names a callable outside ``build(allow=...)`` or one that cannot be imported
+    safely; raised before anything is imported."""
+
+
+class ValidationFailedError(CheckpointError):
+    """A ``build(validators=...)`` callable refused a built object (its error is the cause)."""
+
+
+class SpecChangedWarning(UserWarning):
+    """A component's spec differs from the one this writer's previous checkpoint stored."""
 
 
 class CheckpointWarning(UserWarning):

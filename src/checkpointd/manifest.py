@@ -37,6 +37,7 @@ __all__ = [
     "ComponentEntry",
     "FileEntry",
     "Manifest",
+    "SpecEntry",
     "decode_manifest",
     "encode_manifest",
     "step_dirname",
@@ -68,6 +69,24 @@ class ComponentEntry(msgspec.Struct, frozen=True):
     num_tensors: int = 0
 
 
+class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """How ``checkpointd.build`` makes one component again (see spec.py, docs/format.md).
+
+    ``module``/``qualname`` name the callable, ``kind`` is ``model``, ``optimizer``,
+    ``scheduler`` or ``object``; ``of`` the component it is built over (an
+    optimizer's model, a scheduler's optimizer); ``params`` an optimizer's
+    parameter names in the associated model, one list per param group.
+    """
+
+    module: str
+    qualname: str
+    kind: str
+    args: list[Any] = msgspec.field(default_factory=list)
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    of: str | None = None
+    params: list[list[str]] | None = None
+
+
 class Manifest(msgspec.Struct, frozen=True):
     """Version 1 of the manifest schema."""
 
@@ -83,6 +102,8 @@ class Manifest(msgspec.Struct, frozen=True):
     format: str = FORMAT_NAME
     writer: str = ""
     """Random id of the writer instance that committed it ("" if unknown); see retention."""
+    specs: dict[str, SpecEntry] = msgspec.field(default_factory=dict)
+    """Optional: how to rebuild components (``save(specs=...)``); absent in older checkpoints."""
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +142,8 @@ def too_deep(value: Any) -> bool:
 
 def _deep_field(manifest: Manifest) -> str | None:
     """The name of the first free-form field nested deeper than MAX_JSON_DEPTH, if any."""
+    if any(too_deep([s.args, s.kwargs]) for s in manifest.specs.values()):
+        return "specs"
     return next((f for f in ("metrics", "metadata") if too_deep(getattr(manifest, f))), None)
 
 

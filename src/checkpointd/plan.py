@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -28,7 +28,7 @@ from checkpointd.checksum import BytesLike
 from checkpointd.format import encode_tree
 from checkpointd.header import encode_safetensors_header
 from checkpointd.layout import DIRECT_ALIGN, HEADER_ALIGN, tensor_file_name, tree_file_name
-from checkpointd.manifest import ComponentEntry
+from checkpointd.manifest import ComponentEntry, SpecEntry
 from checkpointd.tunables import DIRECT_MIN_BYTES
 
 __all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_snapshot"]
@@ -44,6 +44,7 @@ class Snapshot:
     created_at: datetime
     metrics: dict[str, Any]
     metadata: dict[str, Any]
+    specs: dict[str, SpecEntry] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class SavePlan:
     created_at: datetime
     metrics: dict[str, Any]
     metadata: dict[str, Any]
+    specs: dict[str, SpecEntry] = field(default_factory=dict)
 
 
 def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
@@ -116,4 +118,5 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
         created_at=snapshot.created_at,
         metrics=snapshot.metrics,
         metadata=snapshot.metadata,
+        specs=snapshot.specs,
     )

@@ -77,6 +77,8 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         *,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        specs: Mapping[str, Any] | None = None,
+        associations: Mapping[str, str] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` for ``step`` and write it in the background.
 
@@ -84,14 +86,16 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         Blocks first while ``max_pending`` saves are in flight; interrupted there
         (Ctrl-C), it leaves the writer as it was. Raises at once for a bad or
         out-of-order step (see ``newer_steps``), an unstorable value or oversized
-        metrics/metadata, and raises a background error not yet seen.
+        metrics/metadata, and raises a background error not yet seen. ``specs`` (name ->
+        ``checkpointd.spec(...)``) and ``associations`` are stored for ``checkpointd.build``.
         """
         started = time.perf_counter()
         plain = self._before_save(step, metrics, metadata)
+        recorded = self._record_specs(step, state, specs, associations)
         service = self._service
         buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
         try:
-            snapshot = self._snapshot(step, state, buffer, plain)
+            snapshot = self._snapshot(step, state, buffer, plain, recorded)
         except BaseException:
             self._loop.call(service.release_buffer, buffer)
             raise
@@ -209,6 +213,8 @@ class AsyncCheckpointWriter(WriterBase):
         *,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        specs: Mapping[str, Any] | None = None,
+        associations: Mapping[str, str] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` for ``step`` (on the loop's thread) and write it in the background.
 
@@ -218,9 +224,10 @@ class AsyncCheckpointWriter(WriterBase):
         if self._group is None and not self._closed and not self._inherited:
             raise WriterClosedError("use the writer inside 'async with'")
         plain = self._before_save(step, metrics, metadata)
+        recorded = self._record_specs(step, state, specs, associations)
         buffer = await self._service.acquire_buffer()
         try:
-            snapshot = self._snapshot(step, state, buffer, plain)
+            snapshot = self._snapshot(step, state, buffer, plain, recorded)
         except BaseException:
             self._service.release_buffer(buffer)
             raise

@@ -32,7 +32,7 @@ from checkpointd.errors import (
 )
 from checkpointd.handle import SaveHandle
 from checkpointd.layout import MAX_STEP, is_step
-from checkpointd.manifest import CheckpointInfo, too_deep
+from checkpointd.manifest import CheckpointInfo, SpecEntry, too_deep
 from checkpointd.plan import Snapshot
 from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.retention import RetentionPolicy
@@ -121,6 +121,7 @@ class WriterBase:
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []
         self._closed = False
+        self._specs: dict[str, SpecEntry] | None = None  # the previous save's, None: unread
         self._start()
 
     def _start(self) -> None:
@@ -183,16 +184,36 @@ class WriterBase:
             "the newer steps once this one is committed, or newer_steps='keep' to keep them"
         )
 
+    def _record_specs(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        specs: Mapping[str, Any] | None,
+        associations: Mapping[str, str] | None,
+    ) -> dict[str, SpecEntry]:
+        """The manifest's ``specs`` for this save (spec.py); warns where one changed."""
+        if not specs and not associations:
+            return {}
+        from checkpointd.spec import previous_specs, record, warn_changed
+
+        recorded = record(state, specs or {}, associations or {})
+        if self._specs is None:
+            self._specs = previous_specs(self._store, self._service.newest)
+        warn_changed(self._specs, recorded, step)
+        self._specs = recorded
+        return recorded
+
     def _snapshot(
         self,
         step: int,
         state: Mapping[str, Any],
         buffer: StagingBuffer,
         plain: tuple[dict[str, Any], dict[str, Any]],
+        specs: dict[str, SpecEntry] | None = None,
     ) -> Snapshot:
         created_at = datetime.now(UTC)
         components = capture(state, buffer)
-        return Snapshot(step, components, buffer, created_at, *plain)
+        return Snapshot(step, components, buffer, created_at, *plain, specs=specs or {})
 
     def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:
         handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)

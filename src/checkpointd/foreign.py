@@ -1,0 +1,266 @@
+"""Foreign checkpoints in: ``checkpointd import`` and ``import_checkpoint``.
+
+Sources, recognised by what they are (never by running them):
+
+- a ``torch.save`` file (``.pt``, ``.pth``, Lightning ``.ckpt``): read with
+  ``torch.load(weights_only=True)`` only;
+- a ``.safetensors`` file, or a Hugging Face folder with
+  ``model.safetensors.index.json`` (or one ``model.safetensors``);
+- a PyTorch DCP folder: its ``.metadata`` pickle is read by ``DCPUnpickler``,
+  which admits only DCP's own metadata classes, torch sizes/dtypes/layouts and
+  plain containers; its tensors by ``torch.load(weights_only=True)``.
+
+Blocking; call from any thread (not while a writer on ROOT runs in this thread).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
+from checkpointd.layout import is_component_name
+
+__all__ = ["DCPUnpickler", "ImportResult", "import_checkpoint", "read_source"]
+
+HF_INDEX = "model.safetensors.index.json"
+DCP_METADATA = ".metadata"
+
+_DCP = "torch.distributed.checkpoint"
+_ADMITTED: dict[str, frozenset[str]] = {
+    f"{_DCP}.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    f"{_DCP}.filesystem": frozenset({"_StorageInfo"}),
+    # Maps a layout's name to the torch.layout; reads a dict, calls nothing else.
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size", "strided", "sparse_coo", "contiguous_format", "preserve_format"}),
+    "collections": frozenset({"OrderedDict"}),
+    # StorageMeta.checkpoint_id: making a path object touches no file.
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
+}
+
+
+class DCPUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata``: DCP's metadata classes and plain values only.
+
+    Anything else (``os.system``, ``builtins.eval``, any ``__reduce__`` to a
+    callable not listed) raises CorruptCheckpointError at the name lookup,
+    before it could be called.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = name in _ADMITTED.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise CorruptCheckpointError(
+                f"DCP metadata refers to {module}.{name}, which is not a DCP metadata class; "
+                "refused without running it"
+            )
+        return super().find_class(module, name)
+
+
+def _load_dcp_metadata(data: bytes, where: str) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = DCPUnpickler(io.BytesIO(data)).load()
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{where}: unreadable DCP metadata ({exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
+    return metadata
+
+
+def _read_dcp(folder: str) -> dict[str, Any]:
+    """The state dict of a DCP folder, read in this one process."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    where = os.path.join(folder, DCP_METADATA)
+    with open(where, "rb") as f:
+        metadata = _load_dcp_metadata(f.read(), where)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        # DefaultLoadPlanner.load_bytes would torch.load(weights_only=False).
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+    return {key: _int_state_keys(value) for key, value in state.items()}
+
+
+def _int_state_keys(value: Any) -> Any:
+    """DCP stores a plain ``optimizer.state_dict()``'s parameter indices as strings
+    ("0"); give them back as ints so ``load_state_dict`` matches them again."""
+    if not isinstance(value, dict) or not isinstance(value.get("state"), dict):
+        return value
+    groups = value.get("param_groups")
+    indices = {p for g in groups or () if isinstance(g, dict) for p in g.get("params", ())}
+    if not indices or not all(isinstance(p, int) for p in indices):
+        return value
+    state = {
+        int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value["state"].items()
+    }
+    return {**value, "state": state}
+
+
+def _read_hf(folder: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, HF_INDEX)
+    if not os.path.exists(index):
+        return dict(load_file(os.path.join(folder, "model.safetensors")))
+    with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{index}: no weight_map object")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard.startswith("."):
+            raise CorruptCheckpointError(f"{index}: unsafe shard name {shard!r}")
+    tensors: dict[str, Any] = {}
+    for shard in shards:
+        tensors.update(load_file(os.path.join(folder, shard)))
+    missing = set(weight_map) - set(tensors)
+    if missing:
+        raise CorruptCheckpointError(f"{index}: tensors missing from shards: {sorted(missing)[:5]}")
+    return {name: tensors[name] for name in weight_map}
+
+
+def read_source(source: str) -> tuple[str, Any]:
+    """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``."""
+    import torch
+
+    if os.path.isdir(source):
+        if os.path.exists(os.path.join(source, DCP_METADATA)):
+            return "dcp", _read_dcp(source)
+        if os.path.exists(os.path.join(source, HF_INDEX)) or os.path.exists(
+            os.path.join(source, "model.safetensors")
+        ):
+            return "hf", _read_hf(source)
+        raise InvalidArgumentError(
+            f"{source}: a folder with neither {DCP_METADATA} (DCP) nor {HF_INDEX} / "
+            "model.safetensors (Hugging Face)"
+        )
+    if source.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return "safetensors", dict(load_file(source))
+    try:
+        return "torch", torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CorruptCheckpointError(
+            f"{source}: not loadable with torch.load(weights_only=True) ({exc}); "
+            "checkpointd never runs a full unpickle"
+        ) from exc
+
+
+def _is_lightning(value: Any) -> bool:
+    return isinstance(value, dict) and "state_dict" in value and "global_step" in value
+
+
+def components_of(
+    kind: str, value: Any, component: str | None
+) -> tuple[dict[str, Any], int | None]:
+    """How a read source becomes components, and the step it names (Lightning)."""
+    if component is not None:
+        return {component: value}, None
+    if kind in ("hf", "safetensors"):
+        return {"model": value}, None
+    if _is_lightning(value):
+        out: dict[str, Any] = {"model": value["state_dict"]}
+        for key, base in (("optimizer_states", "optimizer"), ("lr_schedulers", "scheduler")):
+            items = value.get(key) or []
+            for i, item in enumerate(items):
+                out[base if len(items) == 1 else f"{base}{i}"] = item
+        rest = {
+            k: v
+            for k, v in value.items()
+            if k not in ("state_dict", "optimizer_states", "lr_schedulers")
+        }
+        out["lightning"] = rest
+        step = value.get("global_step")
+        return out, step if isinstance(step, int) else None
+    if (
+        isinstance(value, dict)
+        and value
+        and all(is_component_name(k) and isinstance(v, Mapping) for k, v in value.items())
+    ):
+        return dict(value), None
+    return {"model": value}, None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    """What ``import_checkpoint`` wrote: the source kind, the step and the components."""
+
+    kind: str
+    step: int
+    components: tuple[str, ...]
+
+
+def import_checkpoint(
+    source: str,
+    root: str,
+    *,
+    step: int | None = None,
+    component: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ImportResult:
+    """Read a foreign checkpoint and commit it as one checkpointd checkpoint under ``root``.
+
+    ``step`` defaults to a Lightning file's ``global_step``, else 0;
+    ``component`` puts the whole source in one component of that name
+    (otherwise: HF/safetensors -> ``model``; Lightning -> ``model``,
+    ``optimizer``, ``scheduler``, ``lightning``; a dict of str-keyed dicts ->
+    one component per key; anything else -> ``model``). Blocking.
+    """
+    if component is not None and not is_component_name(component):
+        raise InvalidArgumentError(f"component name {component!r} is not valid")
+    kind, value = read_source(os.fspath(source))
+    components, named_step = components_of(kind, value, component)
+    found = step if step is not None else named_step if named_step is not None else 0
+    from checkpointd.writer import CheckpointWriter
+
+    with CheckpointWriter(root, storage_options=storage_options) as writer:
+        writer.save(found, components).result()
+    return ImportResult(kind, found, tuple(components))
