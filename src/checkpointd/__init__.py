@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointd._version import __version__
 
 if TYPE_CHECKING:
+    from checkpointd.distributed import LOCAL
     from checkpointd.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         CorruptCheckpointError,
         IncompatibleCheckpointError,
         InvalidArgumentError,
+        RankFailedError,
         RestoreMismatchError,
         RetentionWarning,
         StepOrderError,
@@ -57,6 +59,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "CorruptCheckpointError",
         "IncompatibleCheckpointError",
         "InvalidArgumentError",
+        "RankFailedError",
         "RestoreMismatchError",
         "RetentionWarning",
         "StepOrderError",
@@ -69,6 +72,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "WriterClosedError",
         "WrongThreadError",
     ),
+    "checkpointd.distributed": ("LOCAL",),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
     "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
@@ -79,6 +83,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
+    "LOCAL",
     "AsyncCheckpointWriter",
     "Checkpoint",
     "CheckpointError",
@@ -92,6 +97,7 @@ __all__ = [
     "IncompatibleCheckpointError",
     "InvalidArgumentError",
     "RNGState",
+    "RankFailedError",
     "RestoreInfo",
     "RestoreMismatchError",
     "RetentionPolicy",

@@ -43,6 +43,8 @@ class Snapshot:
     created_at: datetime
     metrics: dict[str, Any]
     metadata: dict[str, Any]
+    attempt: int = 0
+    """This writer's attempt number at ``step`` (0 first); names a many-rank save's keys."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ class WriteFile:
     """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
 
     ``component`` is the component it belongs to (for messages), ``rank`` the rank
-    that writes it (recorded in the manifest; always 0 until many ranks exist).
+    that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
     """
 
     name: str
