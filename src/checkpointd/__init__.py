@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointd._version import __version__
 
 if TYPE_CHECKING:
-    from checkpointd.distributed import LOCAL
+    from checkpointd.distributed import LOCAL, PerRank
     from checkpointd.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -72,7 +72,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "WriterClosedError",
         "WrongThreadError",
     ),
-    "checkpointd.distributed": ("LOCAL",),
+    "checkpointd.distributed": ("LOCAL", "PerRank"),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
     "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
@@ -96,6 +96,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "InvalidArgumentError",
+    "PerRank",
     "RNGState",
     "RankFailedError",
     "RestoreInfo",

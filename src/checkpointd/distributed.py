@@ -16,12 +16,13 @@ import itertools
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Final
 
 from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RankFailedError
 
-__all__ = ["LOCAL", "Group", "Liveness", "resolve_group"]
+__all__ = ["LOCAL", "Group", "Liveness", "PerRank", "rank_key", "resolve_group", "split_state"]
 
 
 class _Local:
@@ -46,6 +47,53 @@ LOCAL: Final = _Local()
 were not initialized (its own checkpoint; no other rank takes part)."""
 
 _writer_numbers = itertools.count()
+
+
+class PerRank:
+    """``checkpointd.PerRank(obj)``: a component whose state differs by rank (a data loader,
+    per-rank counters). Every rank writes and restores its own; never compared."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.obj!r})"
+
+
+def rank_key(name: str, rank: int) -> str:
+    """The component that holds ``rank``'s state of per-rank component ``name``."""
+    return f"{name}-rank{rank}"
+
+
+def split_state(
+    state: Mapping[str, Any], rank: int | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``state`` as captured: per-rank components (PerRank, RNGState) renamed for ``rank``,
+    and the map of those names to the given ones. ``rank`` None (a process saving alone):
+    PerRank is unwrapped and nothing is renamed. Caller thread."""
+    from checkpointd.rng import RNGState
+
+    if not isinstance(state, Mapping):
+        return state, {}  # type: ignore[unreachable]  # capture refuses it with its message
+    captured: dict[str, Any] = {}
+    per_rank: dict[str, str] = {}
+    for name, value in state.items():
+        ranked = isinstance(value, PerRank | RNGState)
+        plain = value.obj if isinstance(value, PerRank) else value
+        if rank is None or not ranked or not isinstance(name, str):
+            captured[name] = plain
+            continue
+        key = rank_key(name, rank)
+        per_rank[key] = name
+        captured[key] = plain
+    clash = set(per_rank) & {n for n in captured if n not in per_rank}
+    if clash:
+        raise InvalidArgumentError(
+            f"component names {sorted(clash)} are taken by per-rank components"
+        )
+    return captured, per_rank
 
 
 class Group:
@@ -192,3 +240,45 @@ def _timedelta(seconds: float) -> Any:
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def per_rank_targets(
+    manifest: Any, targets: Mapping[str, Any], strict: bool
+) -> tuple[dict[str, Any], set[str], tuple[str, ...]]:
+    """``targets`` as restore reads them: a per-rank component's target mapped to this
+    rank's component; the components of other ranks (to ignore); the per-rank targets
+    skipped because the world size changed (``strict=False``; else RestoreMismatchError).
+    This process is rank 0 of 1 unless torch.distributed is initialized. Training thread."""
+    from checkpointd.errors import RestoreMismatchError
+
+    if not manifest.per_rank:
+        return dict(targets), set(), ()
+    rank, world = _rank_and_world()
+    mapped: dict[str, Any] = {}
+    others: set[str] = set()
+    skipped: list[str] = []
+    for name, target in targets.items():
+        keys = manifest.per_rank.get(name)
+        if keys is None:
+            mapped[name] = target
+        elif len(keys) == world:
+            mapped[keys[rank]] = target
+        elif strict:
+            raise RestoreMismatchError(
+                f"per-rank component {name!r} was saved by {len(keys)} ranks and this job "
+                f"has {world}: pass strict=False to restore without it"
+            )
+        else:
+            skipped.append(name)
+    for name, keys in manifest.per_rank.items():
+        mine = keys[rank] if len(keys) == world and name not in skipped else None
+        others.update(k for k in keys if k != mine)
+    return mapped, others, tuple(skipped)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

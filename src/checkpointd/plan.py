@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -45,6 +45,8 @@ class Snapshot:
     metadata: dict[str, Any]
     attempt: int = 0
     """This writer's attempt number at ``step`` (0 first); names a many-rank save's keys."""
+    per_rank: dict[str, str] = field(default_factory=dict)
+    """Components that hold this rank's own state -> the per-rank component's name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class SavePlan:
     created_at: datetime
     metrics: dict[str, Any]
     metadata: dict[str, Any]
+    per_rank: dict[str, str] = field(default_factory=dict)
+    """As ``Snapshot.per_rank``: these components are this rank's alone."""
 
 
 def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
@@ -117,4 +121,5 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
         created_at=snapshot.created_at,
         metrics=snapshot.metrics,
         metadata=snapshot.metadata,
+        per_rank=snapshot.per_rank,
     )

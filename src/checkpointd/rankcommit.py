@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -43,6 +44,7 @@ from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.manifest import (
     SCHEMA_VERSION,
     CheckpointInfo,
+    ComponentEntry,
     FileEntry,
     Manifest,
     encode_manifest,
@@ -55,9 +57,12 @@ __all__ = ["assign_ranks", "commit_ranked", "component_digests"]
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
-    """Per component, [CRC32C, size] of the bytes of all its files, in plan order. Any thread."""
+    """Per replicated component, [CRC32C, size] of the bytes of all its files, in plan
+    order (per-rank components are not compared). Any thread."""
     digests: dict[str, list[int]] = {}
     for file in plan.files:
+        if file.component in plan.per_rank:
+            continue
         digest, size = digests.get(file.component, [0, 0])
         for part in file.parts:
             view = memoryview(part).cast("B")
@@ -67,13 +72,19 @@ def component_digests(plan: SavePlan) -> dict[str, list[int]]:
     return digests
 
 
-def assign_ranks(files: list[PlannedFile], world_size: int) -> list[WriteFile]:
-    """``files`` with each one's writing rank: largest first to the least-loaded rank
-    (lowest rank on ties), so every rank writes about the same number of bytes. The
-    same on every rank for the same plan."""
+def assign_ranks(
+    files: list[PlannedFile], world_size: int, rank: int, per_rank: Mapping[str, str]
+) -> list[WriteFile]:
+    """``files`` with each one's writing rank: a per-rank component's to ``rank``; the
+    replicated ones largest first to the least-loaded rank (lowest rank on ties), so
+    every rank writes about the same number of bytes, the same on every rank."""
     loads = [0] * world_size
     ranked: dict[str, WriteFile] = {}
-    for file in sorted(files, key=lambda f: (-f.size, f.name)):
+    for file in files:
+        if file.component in per_rank:
+            ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank)
+    shared = [f for f in files if f.component not in per_rank]
+    for file in sorted(shared, key=lambda f: (-f.size, f.name)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         loads[rank] += file.size
         ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank)
@@ -98,6 +109,15 @@ def _mismatch(step: int, posted: dict[int, dict[str, list[int]]]) -> str | None:
                 "rank (wrap a per-rank component in checkpointd.PerRank)"
             )
     return None
+
+
+class _Share(msgspec.Struct, frozen=True):
+    """What a rank posts once its files are durable: their entries, and the components
+    only it has (its per-rank ones) with the per-rank names they stand for."""
+
+    files: list[FileEntry]
+    components: dict[str, ComponentEntry]
+    per_rank: dict[str, str]
 
 
 class _Attempt:
@@ -248,7 +268,8 @@ async def _write_share(
         raise CheckpointExistsError(
             f"step {plan.step} is already committed at {step_path(store, plan.step)}"
         )
-    mine = [f for f in assign_ranks(plan.files, group.world_size) if f.rank == group.rank]
+    assigned = assign_ranks(plan.files, group.world_size, group.rank, plan.per_rank)
+    mine = [f for f in assigned if f.rank == group.rank]
 
     async def stream(file: WriteFile) -> None:
         streamed.append(await _in_thread(limiter, _stream_file, store, folder, file))
@@ -265,7 +286,8 @@ async def _write_share(
         for sink, entry in list(streamed):
             tasks.start_soon(commit, sink, entry)
     await _in_thread(limiter, store.sync_dir, folder)
-    await anyio.to_thread.run_sync(attempt.post, "files", committed)
+    own = {key: plan.components[key] for key in plan.per_rank}
+    await anyio.to_thread.run_sync(attempt.post, "files", _Share(committed, own, plan.per_rank))
 
 
 async def _publish(
@@ -279,21 +301,27 @@ async def _publish(
     """Wait for every rank's files, then publish the manifest listing all of them."""
     group = attempt.group
     posted = await _gather(attempt, "files", list(range(group.world_size)), join=False)
-    files = [
-        entry
-        for value in posted.values()
-        for entry in msgspec.json.decode(value, type=list[FileEntry])
-    ]
+    shares = [msgspec.json.decode(posted[r], type=_Share) for r in sorted(posted)]
+    files = [entry for share in shares for entry in share.files]
+    components = {
+        name: entry for name, entry in plan.components.items() if name not in plan.per_rank
+    }
+    per_rank: dict[str, list[str]] = {}
+    for share in shares:
+        components.update(share.components)
+        for key, name in share.per_rank.items():
+            per_rank.setdefault(name, []).append(key)
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
         step=plan.step,
         created_at=plan.created_at,
         library_version=__version__,
-        components=plan.components,
+        components=components,
         files=sorted(files, key=lambda f: f.path),
         metrics=plan.metrics,
         metadata=plan.metadata,
         world_size=group.world_size,
+        per_rank=per_rank,
         writer="" if identity is None else identity.id,
     )
     path = f"{step_dirname(plan.step)}/{MANIFEST_NAME}"

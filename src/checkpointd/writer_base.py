@@ -22,7 +22,7 @@ import torch
 
 from checkpointd import lifecycle
 from checkpointd.capture import StagingBuffer, capture
-from checkpointd.distributed import LOCAL, Group
+from checkpointd.distributed import LOCAL, Group, split_state
 from checkpointd.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -199,9 +199,13 @@ class WriterBase:
         plain: tuple[dict[str, Any], dict[str, Any]],
     ) -> Snapshot:
         created_at = datetime.now(UTC)
-        components = capture(state, buffer)
-        attempt = 0 if self._ranks is None else self._ranks.attempt(step)
-        return Snapshot(step, components, buffer, created_at, *plain, attempt=attempt)
+        group = self._ranks
+        captured, per_rank = split_state(state, None if group is None else group.rank)
+        components = capture(captured, buffer)
+        attempt = 0 if group is None else group.attempt(step)
+        return Snapshot(
+            step, components, buffer, created_at, *plain, attempt=attempt, per_rank=per_rank
+        )
 
     def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:
         handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)

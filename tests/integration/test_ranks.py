@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ import torch
 
 import checkpointd
 from checkpointd import catalog
+from checkpointd.manifest import SCHEMA_VERSION, Manifest, decode_manifest, encode_manifest
 from checkpointd.storage import open_store
-from tests.support.rank_job import replicated_state
+from tests.support.rank_job import Position, replicated_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,6 +107,21 @@ def test_replicated_save_spreads_files_over_ranks_and_loads_whole(tmp_path: Path
         assert torch.equal(loaded["model"][name], tensor)
     assert torch.equal(loaded["extra"]["table"], expected["extra"]["table"])
     assert loaded["extra"]["epoch"] == 3
+    assert manifest.per_rank == {
+        "loader": ["loader-rank0", "loader-rank1"],
+        "rng": ["rng-rank0", "rng-rank1"],
+    }
+    assert loaded["loader-rank1"] == {"pos": 17}
+    for rank in (0, 1):  # each rank got its own per-rank state back, its RNG exactly
+        assert _seen(reports, rank)["loader"] == 10 * rank + 7
+        assert _seen(reports, rank)["rng_exact"] is True
+    # this process is one rank, the checkpoint has two: per-rank state is refused, or skipped
+    with pytest.raises(checkpointd.RestoreMismatchError, match="saved by 2 ranks"):
+        checkpointd.restore(str(tmp_path / "root"), {"loader": Position(0)})
+    fresh = Position(0)
+    info = checkpointd.restore(str(tmp_path / "root"), {"loader": fresh}, strict=False)
+    assert info.skipped_targets == ("loader",)
+    assert fresh.pos == 0
 
 
 def test_replicas_that_differ_fail_on_every_rank_naming_component_and_ranks(tmp_path: Path) -> None:
@@ -155,8 +172,26 @@ def test_a_writer_saves_alone_without_a_group_or_with_local(tmp_path: Path, how:
     kwargs: dict[str, Any] = {} if how == "uninitialized" else {"process_group": checkpointd.LOCAL}
     with checkpointd.CheckpointWriter(str(tmp_path), **kwargs) as writer:
         assert writer._ranks is None
-        info = writer.save(1, {"x": {"t": torch.ones(3)}}).result()
+        state = {"x": {"t": torch.ones(3)}, "p": checkpointd.PerRank(Position(3))}
+        info = writer.save(1, state).result()
     assert info.step == 1
     manifest = catalog.read_manifest(open_store(str(tmp_path)), 1)
     assert manifest.world_size == 1
     assert {f.rank for f in manifest.files} == {0}
+    assert manifest.per_rank == {}  # alone, a PerRank component is an ordinary one
+    assert checkpointd.load(str(tmp_path)).state["p"] == {"pos": 3}
+
+
+def test_a_manifest_with_an_incomplete_per_rank_component_is_corrupt() -> None:
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        step=1,
+        created_at=datetime.now(UTC),
+        library_version="0",
+        components={},
+        files=[],
+        world_size=2,
+        per_rank={"rng": ["rng-rank0"]},
+    )
+    with pytest.raises(checkpointd.CorruptCheckpointError, match="per-rank component 'rng'"):
+        decode_manifest(encode_manifest(manifest))

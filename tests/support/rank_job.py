@@ -41,6 +41,30 @@ def replicated_state(rank: int, scenario: str) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer, "extra": extra}
 
 
+class Position:
+    """A per-rank component: where this rank's data stream is."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos = int(state["pos"])
+
+
+def _restore_per_rank(
+    root: str, rank: int, result: dict[str, Any], after_save: torch.Tensor
+) -> None:
+    """Restore this rank's Position and RNG state; report what came back."""
+    torch.rand(5)  # move the generator on
+    position = Position(-1)
+    checkpointd.restore(root, {"loader": position, "rng": checkpointd.RNGState()}, strict=False)
+    result["loader"] = position.pos
+    result["rng_exact"] = torch.equal(torch.rand(3), after_save)
+
+
 def _die_while_writing(*args: Any) -> Any:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -62,6 +86,10 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
     if scenario == "killed" and rank == 1:
         rankcommit._stream_file = _die_while_writing  # type: ignore[assignment]
+    if scenario == "replicated":
+        state["loader"] = checkpointd.PerRank(Position(10 * rank + 7))
+        state["rng"] = checkpointd.RNGState()
+        torch.manual_seed(1000 + rank)  # each rank's generator differs
     started = time.monotonic()
     try:
         with checkpointd.CheckpointWriter(root) as writer:
@@ -72,12 +100,14 @@ def main() -> None:
                 # the other ranks keep their writer open (heartbeating) until rank 0 is done
                 _report(out, rank, result, started)
                 dist.barrier()
+        if scenario == "replicated":
+            _restore_per_rank(root, rank, result, torch.rand(3))
     except checkpointd.CheckpointError as exc:
         result["error"] = type(exc).__name__
         result["message"] = str(exc)
     if scenario == "full_disk" and rank == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
-    if scenario != "rank0_only" or rank == 0:
+    if scenario != "rank0_only" or rank == 0 or not result["ok"]:
         _report(out, rank, result, started)
     if scenario == "rank0_only" and rank == 0:
         dist.barrier()
