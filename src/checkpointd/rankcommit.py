@@ -24,9 +24,10 @@ are leftovers for ``gc``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -38,7 +39,7 @@ from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import crc32c
 from checkpointd.commit import _clean_up, _commit_file, _in_thread, _stream_file, _sweep
 from checkpointd.distributed import Group, Liveness
-from checkpointd.errors import CheckpointExistsError, RankFailedError
+from checkpointd.errors import CheckpointError, CheckpointExistsError, RankFailedError
 from checkpointd.handle import first_leaf
 from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.manifest import (
@@ -54,6 +55,8 @@ from checkpointd.retention import WriterIdentity
 from checkpointd.storage import FileSink, Store
 
 __all__ = ["assign_ranks", "commit_ranked", "component_digests"]
+
+T = TypeVar("T")
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
@@ -120,6 +123,25 @@ class _Share(msgspec.Struct, frozen=True):
     per_rank: dict[str, str]
 
 
+def _lost_store(method: Callable[..., T]) -> Callable[..., T]:
+    """Turn a failed store call (its host died: rank 0 or the launcher) into RankFailedError."""
+
+    @functools.wraps(method)
+    def call(self: _Attempt, *args: Any) -> T:
+        try:
+            return method(self, *args)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise RankFailedError(
+                f"the save of step {self.step} failed: the job's store is unreachable "
+                f"({type(exc).__name__}: {exc}); the rank that hosts it (rank 0 with "
+                "tcp:// or env:// init) or the launcher is probably gone; nothing was published"
+            ) from None
+
+    return call
+
+
 class _Attempt:
     """One rank's view of one attempt's keys. Blocking calls: run them in worker threads."""
 
@@ -129,6 +151,17 @@ class _Attempt:
         self.prefix = f"s{step}a{number}/"
         self.liveness = Liveness(group)
 
+    @_lost_store
+    def dead(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose heartbeat stopped."""
+        return self.liveness.dead(ranks)
+
+    @_lost_store
+    def closed(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that closed their writer."""
+        return [r for r in ranks if self.group.closed(r)]
+
+    @_lost_store
     def post(self, kind: str, value: Any) -> None:
         self.group.store.set(f"{self.prefix}{kind}/{self.group.rank}", msgspec.json.encode(value))
 
@@ -138,6 +171,7 @@ class _Attempt:
             self.group.store.set(f"{self.prefix}fail/{self.group.rank}", message.encode())
             self.group.store.add(f"{self.prefix}failed", 1)
 
+    @_lost_store
     def check_failures(self) -> None:
         """Raise RankFailedError if another rank posted a failure."""
         if int(self.group.store.add(f"{self.prefix}failed", 0)) == 0:
@@ -148,6 +182,7 @@ class _Attempt:
                 why = self.group.store.get(key).decode(errors="replace")
                 raise RankFailedError(f"the save of step {self.step} failed on rank {rank}: {why}")
 
+    @_lost_store
     def poll(self, kind: str, ranks: list[int]) -> dict[int, bytes]:
         """The values of ``kind`` that ``ranks`` posted so far."""
         found = {}
@@ -172,13 +207,13 @@ async def _gather(
         if not missing:
             return got
         await anyio.to_thread.run_sync(attempt.check_failures)
-        closed = [r for r in missing if await anyio.to_thread.run_sync(attempt.group.closed, r)]
+        closed = await anyio.to_thread.run_sync(attempt.closed, missing)
         if closed:
             raise RankFailedError(
                 f"the save of step {attempt.step} failed: rank(s) {closed} closed their writer "
                 "without taking part in it; nothing was published"
             )
-        dead = await anyio.to_thread.run_sync(attempt.liveness.dead, missing)
+        dead = await anyio.to_thread.run_sync(attempt.dead, missing)
         if dead:
             raise RankFailedError(
                 f"the save of step {attempt.step} failed: rank(s) {dead} stopped responding "

@@ -158,6 +158,16 @@ def test_a_rank_killed_while_writing_fails_the_others_and_a_restart_saves(tmp_pa
     assert _published(tmp_path / "root") == [1]
 
 
+def test_rank_0_killed_while_writing_fails_the_others_typed(tmp_path: Path) -> None:
+    # rank 0 hosts the TCP store and publishes: its death is a lost store, a typed error
+    reports = run_job("killed0", tmp_path / "root", tmp_path / "out")
+    assert reports[0] is None
+    report = _seen(reports, 1)
+    assert report["error"] == "RankFailedError"
+    assert "store is unreachable" in report["message"]
+    assert _published(tmp_path / "root") == []
+
+
 def test_a_save_only_rank_0_joins_fails_naming_the_missing_rank(tmp_path: Path) -> None:
     reports = run_job("rank0_only", tmp_path / "root", tmp_path / "out")
     report = _seen(reports, 0)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import checkpointd
 from checkpointd import rankcommit, tunables
 
-SCENARIOS = ("replicated", "mismatch", "full_disk", "killed", "rank0_only")
+SCENARIOS = ("replicated", "mismatch", "full_disk", "killed", "killed0", "rank0_only")
 
 
 def replicated_state(rank: int, scenario: str) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def main() -> None:
     if scenario == "full_disk" and rank == 1:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
-    if scenario == "killed" and rank == 1:
+    if (scenario, rank) in {("killed", 1), ("killed0", 0)}:
         rankcommit._stream_file = _die_while_writing  # type: ignore[assignment]
     if scenario == "replicated":
         state["loader"] = checkpointd.PerRank(Position(10 * rank + 7))
