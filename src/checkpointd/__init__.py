@@ -20,6 +20,7 @@ from checkpointd._version import __version__
 
 if TYPE_CHECKING:
     from checkpointd.build import build
+    from checkpointd.distributed import LOCAL, PerRank
     from checkpointd.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
         CorruptCheckpointError,
         IncompatibleCheckpointError,
         InvalidArgumentError,
+        RankFailedError,
         RestoreMismatchError,
         RetentionWarning,
         SpecChangedWarning,
@@ -63,6 +65,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "CorruptCheckpointError",
         "IncompatibleCheckpointError",
         "InvalidArgumentError",
+        "RankFailedError",
         "RestoreMismatchError",
         "RetentionWarning",
         "StepOrderError",
@@ -80,6 +83,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     ),
     "checkpointd.build": ("build",),
     "checkpointd.foreign": ("import_checkpoint",),
+    "checkpointd.distributed": ("LOCAL", "PerRank"),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
     "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
@@ -91,6 +95,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
+    "LOCAL",
     "AsyncCheckpointWriter",
     "Checkpoint",
     "CheckpointError",
@@ -103,7 +108,9 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "InvalidArgumentError",
+    "PerRank",
     "RNGState",
+    "RankFailedError",
     "RestoreInfo",
     "RestoreMismatchError",
     "RetentionPolicy",

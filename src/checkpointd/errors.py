@@ -19,6 +19,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "InvalidArgumentError",
+    "RankFailedError",
     "RestoreMismatchError",
     "RetentionWarning",
     "SpecChangedWarning",
@@ -83,6 +84,11 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 class StepOrderError(CheckpointError, ValueError):
     """A save's step is not newer than a committed checkpoint (see the writer's ``newer_steps``)."""
+
+
+class RankFailedError(CheckpointError, RuntimeError):
+    """A save of many ranks failed elsewhere: another rank failed, died or did not join
+    it, or replicated components differ between ranks."""
 
 
 class StorageError(CheckpointError, OSError):

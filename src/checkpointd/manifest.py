@@ -104,6 +104,9 @@ class Manifest(msgspec.Struct, frozen=True):
     """Random id of the writer instance that committed it ("" if unknown); see retention."""
     specs: dict[str, SpecEntry] = msgspec.field(default_factory=dict)
     """Optional: how to rebuild components (``save(specs=...)``); absent in older checkpoints."""
+    per_rank: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    """A per-rank component's name -> the components holding each rank's state, by rank
+    (``NAME-rankR``); those are ordinary components to a reader that ignores this field."""
 
     @property
     def nbytes(self) -> int:
@@ -245,6 +248,9 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
                 raise CorruptCheckpointError(
                     f"{where}: component {name!r} refers to unlisted file {path!r}"
                 )
+    for name, keys in manifest.per_rank.items():
+        if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
+            raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):

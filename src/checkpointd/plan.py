@@ -45,6 +45,10 @@ class Snapshot:
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     specs: dict[str, SpecEntry] = field(default_factory=dict)
+    attempt: int = 0
+    """This writer's attempt number at ``step`` (0 first); names a many-rank save's keys."""
+    per_rank: dict[str, str] = field(default_factory=dict)
+    """Components that hold this rank's own state -> the per-rank component's name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,7 @@ class WriteFile:
     """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
 
     ``component`` is the component it belongs to (for messages), ``rank`` the rank
-    that writes it (recorded in the manifest; always 0 until many ranks exist).
+    that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
     """
 
     name: str
@@ -81,6 +85,8 @@ class SavePlan:
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     specs: dict[str, SpecEntry] = field(default_factory=dict)
+    per_rank: dict[str, str] = field(default_factory=dict)
+    """As ``Snapshot.per_rank``: these components are this rank's alone."""
 
 
 def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
@@ -119,4 +125,5 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
         metrics=snapshot.metrics,
         metadata=snapshot.metadata,
         specs=snapshot.specs,
+        per_rank=snapshot.per_rank,
     )

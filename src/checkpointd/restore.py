@@ -19,6 +19,7 @@ import torch
 
 from checkpointd import catalog, tunables
 from checkpointd.catalog import list_checkpoints
+from checkpointd.distributed import per_rank_targets
 from checkpointd.errors import CheckpointError, CheckpointNotFoundError, RestoreMismatchError
 from checkpointd.fit import check_fits, check_restorable
 from checkpointd.manifest import CheckpointInfo, Manifest
@@ -171,9 +172,10 @@ def restore(
     store = open_store(str(root), storage_options)
     try:
         found_step, manifest = catalog.resolve(store, step)
+        targets, others, skipped = per_rank_targets(manifest, targets, strict)
         names = [n for n in targets if n in manifest.components]
-        missing = tuple(n for n in targets if n not in manifest.components)
-        unexpected = tuple(n for n in manifest.components if n not in targets)
+        missing = (*(n for n in targets if n not in manifest.components), *skipped)
+        unexpected = tuple(n for n in manifest.components if n not in targets and n not in others)
         if strict and (missing or unexpected):
             raise RestoreMismatchError(
                 f"step {found_step}: targets without a component: {list(missing) or 'none'}; "

@@ -8,7 +8,7 @@ when the writer starts, and the deletion of newer steps after a rollback
 from __future__ import annotations
 
 import threading
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.to_thread
@@ -25,7 +25,7 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.handle import Failures, SaveHandle, first_leaf
-from checkpointd.manifest import Manifest
+from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.plan import Snapshot, plan_snapshot
 from checkpointd.retention import (
     RetentionPolicy,
@@ -34,6 +34,9 @@ from checkpointd.retention import (
     delete_checkpoint,
 )
 from checkpointd.storage import Store
+
+if TYPE_CHECKING:
+    from checkpointd.distributed import Group
 
 __all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
 
@@ -83,8 +86,12 @@ class WriteService:
         max_pending: int,
         max_concurrency: int,
         newer_steps: NewerSteps = "error",
+        *,
+        group: Group | None = None,
     ) -> None:
         self.store = store
+        self.group = group
+        """The ranks that save together (None: this process alone); see distributed.py."""
         self.policy = policy
         self.identity = WriterIdentity()  # recorded in its manifests; see retention
         self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused
@@ -135,8 +142,7 @@ class WriteService:
             return
         try:
             try:
-                plan = plan_snapshot(snapshot)
-                info = await commit_plan(self.store, plan, limiter, identity=self.identity)
+                info = await self._commit(snapshot, limiter)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
         except Exception as exc:
@@ -148,6 +154,9 @@ class WriteService:
             handle._resolve(None, WriterClosedError("the writer stopped during this save"))
             raise
         try:
+            if self.group is not None and not self.group.publishes:
+                self.newest = max(info.step, -1 if self.newest is None else self.newest)
+                return  # the publishing rank discards newer steps and runs retention
             if self.newer_steps == "discard":
                 self.newest = info.step
                 await anyio.to_thread.run_sync(
@@ -169,6 +178,19 @@ class WriteService:
             self.failures.add(first_leaf(exc))
         finally:
             handle._resolve(info, None)
+
+    async def _commit(self, snapshot: Snapshot, limiter: anyio.CapacityLimiter) -> CheckpointInfo:
+        """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""
+        group = self.group
+        if group is None:
+            plan = plan_snapshot(snapshot)
+            return await commit_plan(self.store, plan, limiter, identity=self.identity)
+        from checkpointd.rankcommit import commit_ranked
+
+        plan = plan_snapshot(snapshot, f"{group.token}{snapshot.attempt}")
+        return await commit_ranked(
+            self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
+        )
 
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
@@ -192,7 +214,9 @@ class WriteService:
             await self._queue[0].aclose()
 
     def close_store(self) -> None:
-        """Release the store's resources once the service has stopped."""
+        """Release the store's resources (and stop the heartbeat) once the service has stopped."""
+        if self.group is not None:
+            self.group.close()
         self.store.close()
 
     def take_unseen_error(self) -> BaseException | None:

@@ -16,15 +16,19 @@ __all__ = [
     "DIRECT_MIN_BYTES",
     "GC_OLDER_THAN",
     "GRACE_SECONDS",
+    "HEARTBEAT_SECONDS",
+    "JOIN_SECONDS",
     "MAX_HEADER_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
     "MAX_TREE_DEPTH",
+    "POLL_SECONDS",
     "READ_CHUNK_BYTES",
     "READ_THREADS",
     "S3_PARALLEL_PARTS",
     "S3_PART_BYTES",
+    "STALE_SECONDS",
 ]
 
 # --- writing -----------------------------------------------------------------
@@ -93,3 +97,20 @@ save interval)."""
 GC_OLDER_THAN = 3600.0
 """Default age (seconds without a write) before gc removes a leftover: an hour
 without a write means no live writer owns it."""
+
+
+# --- many ranks ------------------------------------------------------------------
+HEARTBEAT_SECONDS = 1.0
+"""How often each rank's writer bumps its heartbeat counter in the job's store."""
+
+STALE_SECONDS = 15.0
+"""A rank whose heartbeat has not moved for this long is dead: its save fails on every
+rank. Many heartbeats long, so a rank that is merely busy (GIL held for a while, a
+slow store) is not taken for dead."""
+
+JOIN_SECONDS = 120.0
+"""How long the ranks of a save wait for a live rank that has not called save() for the
+same step (``if rank == 0: save()``), before the save fails naming it."""
+
+POLL_SECONDS = 0.05
+"""Pause between two looks at the store while a rank waits for the others."""

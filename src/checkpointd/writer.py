@@ -63,7 +63,7 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
             self._service.newest = newest_committed(self._store)
             self._loop = LoopThread(self._service, self.root, self.background_niceness)
         except BaseException:
-            self._store.close()
+            self._service.close_store()
             raise
         self._finalizer = weakref.finalize(
             self, lifecycle.writer_dropped, self._loop, "CheckpointWriter", self._pending
@@ -198,7 +198,7 @@ class AsyncCheckpointWriter(WriterBase):
             self._service.newest = await anyio.to_thread.run_sync(newest_committed, self._store)
         except BaseException:
             self._closed = True
-            self._store.close()
+            self._service.close_store()
             raise
         group = anyio.create_task_group()
         await group.__aenter__()
@@ -270,7 +270,7 @@ class AsyncCheckpointWriter(WriterBase):
         finally:
             await self._service.stop()
             await group.__aexit__(None, None, None)
-            self._store.close()
+            self._service.close_store()
         self._service.failures.raise_first()
 
     async def __aexit__(

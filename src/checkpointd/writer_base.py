@@ -22,6 +22,7 @@ import torch
 
 from checkpointd import lifecycle
 from checkpointd.capture import StagingBuffer, capture
+from checkpointd.distributed import LOCAL, Group, split_state
 from checkpointd.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -70,6 +71,11 @@ class WriterBase:
     The writer lists the root once when it starts and then tracks its own commits.
     A step equal to the newest committed one is CheckpointExistsError in every mode.
 
+    ``process_group``: with torch.distributed initialized, None (default) means every
+    rank of the default group saves each checkpoint together (every rank makes the
+    writer and calls ``save`` with the same step; see DESIGN.md "Many ranks");
+    ``checkpointd.LOCAL`` makes this process save alone.
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
@@ -89,6 +95,7 @@ class WriterBase:
         background_niceness: int = 0,
         newer_steps: NewerSteps = "error",
         retention: RetentionPolicy | None = None,
+        process_group: Any = None,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -115,8 +122,9 @@ class WriterBase:
             raise StorageError(
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
+        self._ranks = _group(process_group)
         self._service = WriteService(
-            self._store, self.policy, max_pending, max_concurrency, newer_steps
+            self._store, self.policy, max_pending, max_concurrency, newer_steps, group=self._ranks
         )
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []
@@ -212,8 +220,20 @@ class WriterBase:
         specs: dict[str, SpecEntry] | None = None,
     ) -> Snapshot:
         created_at = datetime.now(UTC)
-        components = capture(state, buffer)
-        return Snapshot(step, components, buffer, created_at, *plain, specs=specs or {})
+        group = self._ranks
+        captured, per_rank = split_state(state, None if group is None else group.rank)
+        components = capture(captured, buffer)
+        attempt = 0 if group is None else group.attempt(step)
+        return Snapshot(
+            step,
+            components,
+            buffer,
+            created_at,
+            *plain,
+            specs=specs or {},
+            attempt=attempt,
+            per_rank=per_rank,
+        )
 
     def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:
         handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)
@@ -243,6 +263,17 @@ class WriterBase:
         return restore(
             self.root, targets, step, storage_options=self.storage_options, strict=strict
         )
+
+
+def _group(process_group: Any) -> Group | None:
+    """The group a writer saves with: none (alone) unless torch.distributed is initialized
+    with more than one rank and ``process_group`` is not LOCAL. Imports
+    torch.distributed only when it is in use."""
+    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
+        return None
+    from checkpointd.distributed import resolve_group
+
+    return resolve_group(process_group)
 
 
 def _policy(retention: RetentionPolicy | None, loose: RetentionPolicy) -> RetentionPolicy:
