@@ -16,6 +16,18 @@ work unchanged, and ``checkpointd ls <path>`` shows it. A local path is
 resolved through symlinks (``ModelCheckpoint(save_last="link")`` links
 ``last.ckpt`` to the newest top-k folder).
 
+S3 and other URLs. ``CheckpointdIO(storage_options=...)`` reaches the store for
+saves, loads and removals; ``ModelCheckpoint`` itself opens ``dirpath`` with no
+options, so give s3fs the same settings through its environment
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
+``AWS_DEFAULT_REGION``). ``ckpt_path="last"`` finds nothing on S3 (Lightning drops
+the ``s3://`` of what it lists): resume with
+``ckpt_path=last_checkpoint(dirpath, storage_options=...)``.
+
+Cost. Top-k paths are new roots, so most saves open a new writer; the writers
+share their staging buffers (a warm buffer needs no page faults on the training
+thread) and removed roots are deleted on a background thread.
+
 What a save holds: component ``model`` (Lightning's ``state_dict``),
 ``optimizers`` (``optimizer_states``), ``trainer`` (every other key: loops,
 callbacks, epoch, hyperparameters...) and ``rng`` (Python, NumPy, torch and
@@ -28,20 +40,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from checkpointd.capture import StagingBuffer
+from checkpointd.catalog import list_checkpoints
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.handle import SaveHandle
 from checkpointd.restore import load
 from checkpointd.rng import RNGState
 from checkpointd.writer import CheckpointWriter
 
-__all__ = ["CheckpointdIO", "checkpoint_root"]
+__all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
 
 _BASE_MODULES = (
     "lightning_fabric.plugins.io.checkpoint_io",
@@ -55,6 +71,7 @@ _RNG = "rng"
 # writer lets retention drop its older step at once (another writer's fresh commits
 # are kept for a grace window); ``last.ckpt`` is saved every time and stays open.
 _OPEN_WRITERS = 4
+_LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's last.ckpt, last-v1.ckpt
 _REFUSED = ("keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "retention")
 
 
@@ -89,6 +106,69 @@ def checkpoint_root(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(text)
 
 
+def last_checkpoint(
+    dirpath: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> str | None:
+    """The ``last*.ckpt`` root under ``dirpath`` committed most recently, as a path or URL
+    for ``Trainer.fit(ckpt_path=...)``; None if there is none.
+
+    For S3 and other URLs, where ``ckpt_path="last"`` finds nothing: Lightning lists
+    ``dirpath`` with its own filesystem and drops the ``s3://`` of what it finds, then
+    looks for those names on the local disk. Called from any thread."""
+    text = os.fspath(dirpath)
+    if "://" in text and not text.startswith("file://"):
+        import fsspec
+
+        fs, target = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        try:
+            listed = fs.ls(target, detail=False)
+        except FileNotFoundError:
+            listed = []
+        names = [str(n).rstrip("/").rpartition("/")[2] for n in listed]
+        base = text.rstrip("/")
+    else:
+        base = checkpoint_root(text)
+        names = os.listdir(base) if os.path.isdir(base) else []
+    newest: tuple[Any, str] | None = None
+    for name in names:
+        if not _LAST.match(name):
+            continue
+        url = f"{base}/{name}"
+        infos = list_checkpoints(url, storage_options=storage_options)
+        if infos and (newest is None or infos[-1].created_at > newest[0]):
+            newest = (infos[-1].created_at, url)
+    return None if newest is None else newest[1]
+
+
+class _PooledWriter(CheckpointWriter):
+    """A CheckpointWriter whose staging buffers come from, and go back to, a shared pool.
+
+    Each top-k path is a root of its own, so Lightning's saves go to a new writer
+    almost every time; a fresh buffer would cost a first touch of every page of
+    the snapshot on the training thread. The pool hands a closed writer's warm
+    buffers to the next one (a writer holds them only while it is open)."""
+
+    def __init__(self, root: str, pool: list[StagingBuffer], **options: Any) -> None:
+        self._pool = pool
+        super().__init__(root, **options)
+
+    def _start(self) -> None:
+        """Swap the service's new buffers for pooled ones before its loop starts."""
+        buffers = self._service._buffers
+        for i in range(len(buffers)):
+            if self._pool:
+                buffers[i] = self._pool.pop()
+        super()._start()
+
+    def close(self) -> None:
+        """Close, then give the (now idle) buffers back to the pool."""
+        try:
+            super().close()
+        finally:
+            self._pool.extend(self._service._buffers)
+            self._service._buffers = []
+
+
 class CheckpointdIO(_Base):
     """Saves Lightning checkpoints in the background with checkpointd, durably.
 
@@ -120,6 +200,10 @@ class CheckpointdIO(_Base):
         self.writer_options = dict(writer_options)
         self._storage_options: Mapping[str, Any] | None = writer_options.get("storage_options")
         self._writers: dict[str, CheckpointWriter] = {}
+        self._buffers: list[StagingBuffer] = []
+        # Deleting a removed root (and closing its writer) runs off the training thread.
+        self._deleter: ThreadPoolExecutor | None = None
+        self._deleting: dict[str, Future[None]] = {}
         self._last_step: dict[str, int] = {}
         self._handles: list[tuple[str, SaveHandle]] = []
         self._removals: list[tuple[str, list[SaveHandle]]] = []
@@ -138,6 +222,7 @@ class CheckpointdIO(_Base):
             )
         self._settle()
         root = checkpoint_root(path)
+        self._deleted(root)
         writer = self._writer(root)
         step = _step_of(checkpoint)
         newest = self._last_step.get(root)
@@ -165,6 +250,7 @@ class CheckpointdIO(_Base):
         ``weights_only`` is accepted and moot: nothing is unpickled. Raises
         CheckpointNotFoundError if nothing is committed there."""
         root = checkpoint_root(path)
+        self._deleted(root)
         self._wait_for(root)
         where = map_location if isinstance(map_location, str | torch.device) else None
         loaded = load(root, storage_options=self._storage_options, map_location=where)
@@ -201,6 +287,14 @@ class CheckpointdIO(_Base):
                 errors.append(exc)
         self._settle()
         self._handles.clear()
+        for root in list(self._deleting):
+            try:
+                self._deleted(root)
+            except BaseException as exc:
+                errors.append(exc)
+        if self._deleter is not None:
+            self._deleter.shutdown()
+            self._deleter = None
         if errors:
             raise errors[0]
 
@@ -209,7 +303,7 @@ class CheckpointdIO(_Base):
     def _writer(self, root: str) -> CheckpointWriter:
         writer = self._writers.pop(root, None)  # re-inserted: the dict is in order of use
         if writer is None:
-            writer = CheckpointWriter(root, keep_last=1, **self.writer_options)
+            writer = _PooledWriter(root, self._buffers, keep_last=1, **self.writer_options)
             newest = writer._service.newest
             if newest is not None:
                 self._last_step[root] = max(newest, self._last_step.get(root, newest))
@@ -225,6 +319,8 @@ class CheckpointdIO(_Base):
         """Close idle writers beyond the ``_OPEN_WRITERS`` most recently used (each is a
         thread), then run every removal whose earlier saves are all resolved."""
         self._handles = [(root, h) for root, h in self._handles if not h.done()]
+        for root in [root for root, future in self._deleting.items() if future.done()]:
+            self._deleted(root)  # raises a failed deletion's error
         busy = {root for root, _ in self._handles}
         for root in list(self._writers)[: max(0, len(self._writers) - _OPEN_WRITERS)]:
             if root not in busy:
@@ -241,13 +337,23 @@ class CheckpointdIO(_Base):
                     stacklevel=3,
                 )
                 continue
-            self._delete(root)
+            self._deleted(root)
+            writer = self._writers.pop(root, None)
+            if writer is not None:
+                writer.close()  # idle (its saves are done): quick, and its buffer is free again
+            self._last_step.pop(root, None)
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="checkpointd-lightning")
+            self._deleting[root] = self._deleter.submit(self._delete, root)
+
+    def _deleted(self, root: str) -> None:
+        """Wait until a background deletion of ``root`` (if any) is over; raise its error."""
+        future = self._deleting.pop(root, None)
+        if future is not None:
+            future.result()
 
     def _delete(self, root: str) -> None:
-        writer = self._writers.pop(root, None)
-        if writer is not None:
-            writer.close()
-        self._last_step.pop(root, None)
+        """Delete the root; on the deletion thread."""
         if "://" not in root:
             if os.path.isdir(root) and not os.path.islink(root):
                 shutil.rmtree(root, ignore_errors=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ pytest.importorskip("pytorch_lightning")
 
 import checkpointd
 from checkpointd.errors import CheckpointNotFoundError, InvalidArgumentError
-from checkpointd.lightning import CheckpointdIO
+from checkpointd.lightning import CheckpointdIO, last_checkpoint
 from checkpointd.storage.local import LocalStore
 from tests.conftest import Root
 from tests.support import lightning_job
@@ -185,6 +186,45 @@ def test_same_path_saved_twice_keeps_the_newest(tmp_path: Path) -> None:
         CheckpointdIO(keep_last=3)
 
 
+def test_top_k_rotation_reuses_one_staging_buffer_and_deletes_in_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's top-k saves go to a new path (a new root, a new writer) every time:
+    # a fresh staging buffer each time costs a first touch of every page on the training
+    # thread, and so would deleting the replaced checkpoint there.
+    from checkpointd.capture import StagingBuffer
+
+    made: list[StagingBuffer] = []
+    real_init = StagingBuffer.__init__
+
+    def counted(self: StagingBuffer) -> None:
+        real_init(self)
+        made.append(self)
+
+    monkeypatch.setattr(StagingBuffer, "__init__", counted)
+    deleted_on: list[str] = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        deleted_on.append(threading.current_thread().name)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    io = CheckpointdIO(restore_rng=False)
+    paths = [tmp_path / f"epoch=0-step={step}.ckpt" for step in range(1, 7)]
+    for step, path in enumerate(paths, 1):
+        io.save_checkpoint(_tiny(step), path)
+        if step > 1:
+            io.remove_checkpoint(paths[step - 2])
+        io._handles[-1][1].result(30)  # the next save finds the previous one done
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=6.ckpt"]
+    # Two: the new save is taken before the replaced root is removed (6 without the pool).
+    assert sum(buffer.allocations for buffer in made) == 2
+    assert len(deleted_on) == 5
+    assert threading.main_thread().name not in deleted_on
+
+
 def test_s3_save_load_remove(s3_root: Root) -> None:
     io = CheckpointdIO(storage_options=s3_root.storage_options, restore_rng=False)
     first, last = f"{s3_root.url}/epoch=0-step=1.ckpt", f"{s3_root.url}/last.ckpt"
@@ -244,3 +284,38 @@ def test_benchmark_runs_in_its_smallest_mode() -> None:
     summary = bench_lightning.main(tiny)
     assert set(summary) == {"torch", "async", "checkpointd"}
     assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
+
+
+def _s3_env(root: Root) -> dict[str, str]:
+    """The environment s3fs (through botocore) reads: what Lightning's own fs calls use."""
+    options = root.storage_options
+    return {
+        "AWS_ACCESS_KEY_ID": options["key"],
+        "AWS_SECRET_ACCESS_KEY": options["secret"],
+        "AWS_ENDPOINT_URL": options["client_kwargs"]["endpoint_url"],
+        "AWS_DEFAULT_REGION": options["client_kwargs"]["region_name"],
+    }
+
+
+def test_s3_fit_then_resume_from_last_in_fresh_process_is_bit_exact(
+    s3_root: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in _s3_env(s3_root).items():
+        monkeypatch.setenv(name, value)
+    io_options = {"storage_options": s3_root.storage_options}
+    straight = lightning_job.fit(f"{s3_root.url}/straight", max_epochs=2, io_options=io_options)
+    lightning_job.fit(f"{s3_root.url}/ours", max_epochs=1, io_options=io_options)
+    last = last_checkpoint(f"{s3_root.url}/ours", storage_options=s3_root.storage_options)
+    assert last == f"{s3_root.url}/ours/last.ckpt"
+    assert last_checkpoint(f"{s3_root.url}/none", storage_options=s3_root.storage_options) is None
+    job = _job(
+        f"{s3_root.url}/ours",
+        tmp_path / "ours.pt",
+        seed=99,
+        max_epochs=2,
+        ckpt_path=last,
+        io_options=io_options,
+    )
+    output, _ = job.communicate(timeout=100)
+    assert job.returncode == 0, output
+    assert _dict_equal(torch.load(tmp_path / "ours.pt", weights_only=True), straight)
