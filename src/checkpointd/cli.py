@@ -73,6 +73,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     from checkpointd.catalog import list_checkpoints
 
+    if args.verify:
+        return _ls_verified(args)
     infos = list_checkpoints(args.root, storage_options=storage_options(args))
     if args.json:
         rows = [msgspec.to_builtins(info) for info in infos]
@@ -86,6 +88,48 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         created = info.created_at.strftime("%Y-%m-%d %H:%M:%S")
         print(f"{info.step:>12}  {created:<19}  {_size(info.nbytes):>10}  {_metrics(info.metrics)}")
     return 0
+
+
+def _ls_verified(args: argparse.Namespace) -> int:
+    """``ls --verify``: every step with a manifest, each file's size and CRC32C checked;
+    damaged steps (and unreadable manifests) are marked. Exit 1 if any is damaged."""
+    import msgspec
+
+    from checkpointd.catalog import scan, step_path
+    from checkpointd.manifest import CheckpointInfo
+    from checkpointd.reader import verify_step
+
+    rows: list[tuple[int, CheckpointInfo | None, list[str]]] = []
+
+    def unreadable(step: int, exc: CheckpointError) -> None:
+        rows.append((step, None, [f"manifest: {exc}"]))
+
+    with _open(args) as store:
+        for step, manifest in scan(store, newest_first=False, on_damaged=unreadable):
+            found = CheckpointInfo.from_manifest(manifest, step_path(store, step))
+            rows.append((step, found, verify_step(store, step, manifest)))
+    rows.sort(key=lambda row: row[0])
+    damaged = any(bad for _, _, bad in rows)
+    if args.json:
+        out = [
+            {**(msgspec.to_builtins(info) if info else {"step": step}), "damaged": bad}
+            for step, info, bad in rows
+        ]
+        print(json.dumps(out, indent=None))
+        return 1 if damaged else 0
+    if not rows:
+        print(f"no committed checkpoints under {args.root}")
+        return 0
+    print(f"{'step':>12}  {'created (UTC)':<19}  {'size':>10}  status / metrics")
+    for step, info, bad in rows:
+        created = info.created_at.strftime("%Y-%m-%d %H:%M:%S") if info else "?"
+        size = _size(info.nbytes) if info else "?"
+        if bad:
+            status = f"DAMAGED: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
+        else:
+            status = f"ok  {_metrics(info.metrics) if info else ''}".rstrip()
+        print(f"{step:>12}  {created:<19}  {size:>10}  {status}")
+    return 1 if damaged else 0
 
 
 def _metrics(metrics: dict[str, Any]) -> str:
@@ -431,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", parents=[common], help="list committed checkpoints")
     ls.add_argument("root", help=root_help)
     ls.add_argument("--json", action="store_true", help="print one JSON array")
+    ls.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every byte, mark damaged steps (exit 1 if any; JSON rows gain 'damaged')",
+    )
     ls.set_defaults(handler=_cmd_ls)
 
     inspect = commands.add_parser(

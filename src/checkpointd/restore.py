@@ -10,9 +10,10 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,7 +21,13 @@ import torch
 from checkpointd import catalog, tunables
 from checkpointd.catalog import list_checkpoints
 from checkpointd.distributed import per_rank_targets
-from checkpointd.errors import CheckpointError, CheckpointNotFoundError, RestoreMismatchError
+from checkpointd.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CorruptCheckpointError,
+    RestoreMismatchError,
+)
 from checkpointd.fit import check_fits, check_restorable
 from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.reader import StepReader
@@ -28,17 +35,71 @@ from checkpointd.stateful import component_state, load_component
 from checkpointd.storage import Store, open_store
 from checkpointd.tree import map_tree
 
-__all__ = ["Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"]
+__all__ = ["Checkpoint", "RestoreInfo", "SkippedStep", "list_checkpoints", "load", "restore"]
 
 _log = logging.getLogger("checkpointd")
 
 
+_T = TypeVar("_T")
+
+SkippedStep = tuple[int, str]
+"""(step, why) of a damaged checkpoint that ``load``/``restore`` with ``step=None`` passed over."""
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A loaded checkpoint: ``info`` and ``state[component]`` (its state tree)."""
+    """A loaded checkpoint: ``info`` and ``state[component]`` (its state tree).
+
+    ``skipped_steps``: newer checkpoints that were damaged and passed over (only
+    with ``step=None``), newest first, each as (step, why).
+    """
 
     info: CheckpointInfo
     state: dict[str, Any]
+    skipped_steps: tuple[SkippedStep, ...] = ()
+
+
+def _newest_good(
+    store: Store, step: int | None, attempt: Callable[[int, Manifest], _T]
+) -> tuple[_T, tuple[SkippedStep, ...]]:
+    """``attempt(step, manifest)`` on ``step``, or with ``step=None`` on the newest
+    committed step it succeeds on, newest first.
+
+    With ``step=None`` a step whose manifest cannot be read or whose ``attempt``
+    raises CorruptCheckpointError (a missing file, a size, CRC32C, header or tree
+    check) is skipped with a CheckpointWarning naming it and why; other errors
+    (a missing component, a mismatch) propagate. Returns (result, skipped steps);
+    CorruptCheckpointError if every committed step was damaged.
+    """
+    if step is not None:
+        return attempt(step, catalog.read_manifest(store, step)), ()
+    skipped: list[SkippedStep] = []
+
+    def skip(found: int, exc: CheckpointError) -> None:
+        skipped.append((found, str(exc)))
+
+    for found, manifest in catalog.scan(store, on_damaged=skip):
+        try:
+            result = attempt(found, manifest)
+        except CorruptCheckpointError as exc:
+            skip(found, exc)
+            continue
+        for bad, why in skipped:
+            warnings.warn(
+                f"skipping step {bad} (damaged; fell back to step {found}): {why}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return result, tuple(skipped)
+    if skipped:
+        # No warnings here: the error lists every damaged step.
+        listed = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        raise CorruptCheckpointError(
+            f"no checkpoint under {store.url} verifies ({len(skipped)} damaged: {listed})"
+        )
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint under {store.url}; save one first or check the path"
+    )
 
 
 def _move(tree: Any, device: torch.device) -> Any:
@@ -89,21 +150,30 @@ def load(
     checkpoint file, so deleting the checkpoint frees its space at once), or on
     ``map_location``. Raises CheckpointNotFoundError
     if nothing (or not that step, or not that component) is committed, and
-    CorruptCheckpointError if a size, digest or header check fails.
+    CorruptCheckpointError if a size, digest or header check of ``step`` fails.
+    With ``step=None``, damaged checkpoints are skipped (a CheckpointWarning for
+    each, listed in ``skipped_steps``) and the newest one that reads and verifies
+    is returned; CorruptCheckpointError if none does.
     """
     store = open_store(str(root), storage_options)
     try:
-        found_step, manifest = catalog.resolve(store, step)
-        return _load_from(
-            store,
-            found_step,
-            manifest,
-            components=components,
-            map_location=map_location,
-            verify=verify,
-        )
+
+        def attempt(found: int, manifest: Manifest) -> Checkpoint:
+            return _load_from(
+                store,
+                found,
+                manifest,
+                components=components,
+                map_location=map_location,
+                verify=verify,
+            )
+
+        checkpoint, skipped = _newest_good(store, step, attempt)
     finally:
         store.close()
+    if skipped:
+        return Checkpoint(checkpoint.info, checkpoint.state, skipped)
+    return checkpoint
 
 
 def _clone_tree(tree: Any) -> Any:
@@ -142,11 +212,40 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     ``restored``: components loaded into targets. With ``strict=False``,
     ``skipped_targets`` are targets the checkpoint has no component for (left
     unchanged) and ``skipped_components`` are components no target took.
+    ``skipped_steps``: with ``step=None``, newer damaged checkpoints passed over,
+    newest first, each as (step, why).
     """
 
     restored: tuple[str, ...] = ()
     skipped_targets: tuple[str, ...] = ()
     skipped_components: tuple[str, ...] = ()
+    skipped_steps: tuple[SkippedStep, ...] = ()
+
+
+_Prepared = tuple[int, Checkpoint, Mapping[str, Any], list[str], tuple[str, ...], tuple[str, ...]]
+
+
+def _prepare(
+    store: Store, found_step: int, manifest: Manifest, targets: Mapping[str, Any], strict: bool
+) -> _Prepared:
+    """Match one step's components to the targets and read them; touches no target."""
+    targets, others, skipped = per_rank_targets(manifest, targets, strict)
+    names = [n for n in targets if n in manifest.components]
+    missing = (*(n for n in targets if n not in manifest.components), *skipped)
+    unexpected = tuple(n for n in manifest.components if n not in targets and n not in others)
+    if strict and (missing or unexpected):
+        raise RestoreMismatchError(
+            f"step {found_step}: targets without a component: {list(missing) or 'none'}; "
+            f"components without a target: {list(unexpected) or 'none'} "
+            "(pass strict=False to restore the intersection)"
+        )
+    for name in names:
+        check_restorable(targets[name], name)
+    # The manifest read above is the one the files are checked against: read once.
+    checkpoint = _load_from(
+        store, found_step, manifest, components=names, map_location=None, verify=True
+    )
+    return found_step, checkpoint, targets, names, missing, unexpected
 
 
 def restore(
@@ -167,29 +266,20 @@ def restore(
     verified and checked against its live target (module tensors, optimizer
     groups and state, generator layouts...) before any target changes; if a
     target still rejects its state, every target is put back as it was and
-    RestoreMismatchError is raised. Blocking; call from the training thread.
+    RestoreMismatchError is raised. With ``step=None``, damaged checkpoints are
+    skipped as in ``load`` (before any target changes; ``skipped_steps``).
+    Blocking; call from the training thread.
     """
     store = open_store(str(root), storage_options)
     try:
-        found_step, manifest = catalog.resolve(store, step)
-        targets, others, skipped = per_rank_targets(manifest, targets, strict)
-        names = [n for n in targets if n in manifest.components]
-        missing = (*(n for n in targets if n not in manifest.components), *skipped)
-        unexpected = tuple(n for n in manifest.components if n not in targets and n not in others)
-        if strict and (missing or unexpected):
-            raise RestoreMismatchError(
-                f"step {found_step}: targets without a component: {list(missing) or 'none'}; "
-                f"components without a target: {list(unexpected) or 'none'} "
-                "(pass strict=False to restore the intersection)"
-            )
-        for name in names:
-            check_restorable(targets[name], name)
-        # The manifest read above is the one the files are checked against: read once.
-        checkpoint = _load_from(
-            store, found_step, manifest, components=names, map_location=None, verify=True
-        )
+
+        def attempt(found: int, manifest: Manifest) -> _Prepared:
+            return _prepare(store, found, manifest, targets, strict)
+
+        prepared, skipped_steps = _newest_good(store, step, attempt)
     finally:
         store.close()
+    found_step, checkpoint, targets, names, missing, unexpected = prepared
     for name in names:
         check_fits(name, targets[name], checkpoint.state[name])
     backups = {name: _backup(targets[name]) for name in names}
@@ -222,4 +312,5 @@ def restore(
         restored=tuple(names),
         skipped_targets=missing,
         skipped_components=unexpected,
+        skipped_steps=skipped_steps,
     )
