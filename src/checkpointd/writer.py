@@ -14,12 +14,13 @@ is raised again by ``wait()``, by the next ``save()``, and when the writer close
 
 from __future__ import annotations
 
+import signal
 import time
 import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -38,6 +39,9 @@ from checkpointd.lifecycle import LoopThread
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.restore import Checkpoint, RestoreInfo
 from checkpointd.service import newest_committed
+
+if TYPE_CHECKING:
+    from checkpointd.preemption import PreemptionWatch
 from checkpointd.writer_base import WriterBase
 
 __all__ = ["AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"]
@@ -56,6 +60,9 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     and ``wait`` raise WriterClosedError there, ``close`` and leaving the ``with``
     block do nothing.
     """
+
+    _preemption: PreemptionWatch | None = None
+    _preemption_saved = False
 
     def _start(self) -> None:
         """Read the newest committed step, then run the service on its own loop thread."""
@@ -108,6 +115,48 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         handle.blocked_seconds = time.perf_counter() - started
         return handle
 
+    def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+        """Watch ``signals`` (default SIGTERM): their arrival sets ``preempted``.
+
+        Opt-in; call from the main thread. The handler only sets a flag and chains
+        any Python handler installed before; the default action (ending the
+        process) is replaced, so the loop must save and exit: see
+        ``save_if_preempted``. ``close()`` puts the previous handlers back.
+        Single process only (a writer saving with many ranks refuses).
+        """
+        from checkpointd.preemption import PreemptionWatch
+
+        self._check_usable()
+        if self._ranks is not None:
+            raise InvalidArgumentError(
+                "watch_preemption is single-process for now: the ranks would not agree on a step"
+            )
+        if self._preemption is not None:
+            self._preemption.remove()
+        self._preemption = PreemptionWatch(signals)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a watched preemption signal arrived (False when not watching)."""
+        return self._preemption is not None and self._preemption.triggered
+
+    def save_if_preempted(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
+        """If ``preempted``: save ``step`` (``save``'s keywords) and wait until every
+        save is durable, then return True; else return False at once.
+
+        Saves once per writer: later calls return True without saving again. A
+        second signal during the save only sets the flag again, so the save
+        completes (or, if the process is killed, nothing of it is published).
+        Call from the training thread at a step boundary.
+        """
+        if not self.preempted:
+            return False
+        if not self._preemption_saved:
+            self._preemption_saved = True
+            self.save(step, state, **kwargs)
+        self.wait()
+        return True
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is resolved; raise the first error not yet seen.
 
@@ -134,6 +183,8 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         self._closed = True
         if self._inherited:
             return
+        if self._preemption is not None:
+            self._preemption.remove()
         self._finalizer.detach()
         self._loop.close()
         self._pending.clear()
