@@ -49,7 +49,14 @@ if TYPE_CHECKING:
     from checkpointd.foreign import import_checkpoint
     from checkpointd.manifest import CheckpointInfo
     from checkpointd.progress import TrainingProgress
-    from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
+    from checkpointd.restore import (
+        Checkpoint,
+        RestoreInfo,
+        SkippedStep,
+        list_checkpoints,
+        load,
+        restore,
+    )
     from checkpointd.retention import RetentionPolicy
     from checkpointd.rng import RNGState
     from checkpointd.spec import spec
@@ -86,7 +93,14 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "checkpointd.distributed": ("LOCAL", "PerRank"),
     "checkpointd.manifest": ("CheckpointInfo",),
     "checkpointd.progress": ("TrainingProgress",),
-    "checkpointd.restore": ("Checkpoint", "RestoreInfo", "list_checkpoints", "load", "restore"),
+    "checkpointd.restore": (
+        "Checkpoint",
+        "RestoreInfo",
+        "SkippedStep",
+        "list_checkpoints",
+        "load",
+        "restore",
+    ),
     "checkpointd.retention": ("RetentionPolicy",),
     "checkpointd.rng": ("RNGState",),
     "checkpointd.spec": ("spec",),
@@ -116,6 +130,7 @@ __all__ = [
     "RetentionPolicy",
     "RetentionWarning",
     "SaveHandle",
+    "SkippedStep",
     "SpecChangedWarning",
     "StepOrderError",
     "StorageCapabilityWarning",
