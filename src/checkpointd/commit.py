@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -82,6 +82,63 @@ def _commit_file(sink: FileSink) -> None:
         raise
 
 
+async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> None:
+    """Create the step folder; CheckpointExistsError if the step is already committed.
+
+    First of a save's steps, before anything is written. Event loop."""
+    folder = step_dirname(step)
+    await _in_thread(limiter, store.make_dir, folder)
+    if await _in_thread(limiter, store.exists, f"{folder}/{MANIFEST_NAME}"):
+        raise CheckpointExistsError(f"step {step} is already committed at {step_path(store, step)}")
+
+
+async def write_files(
+    store: Store,
+    step: int,
+    files: Sequence[WriteFile],
+    limiter: anyio.CapacityLimiter,
+    *,
+    streamed: list[tuple[FileSink, FileEntry]],
+    committed: list[FileEntry],
+) -> None:
+    """Stream every file (bounded by ``limiter``), then commit each and sync the folder.
+
+    ``streamed`` and ``committed`` collect what was written, so the caller can clean
+    up if this raises. Nothing is committed until every file has streamed. Event loop."""
+    folder = step_dirname(step)
+
+    async def stream(file: WriteFile) -> None:
+        streamed.append(await _in_thread(limiter, _stream_file, store, folder, file))
+
+    async def commit(sink: FileSink, entry: FileEntry) -> None:
+        await _in_thread(limiter, _commit_file, sink)
+        streamed.remove((sink, entry))
+        committed.append(entry)
+
+    async with anyio.create_task_group() as group:
+        for file in files:
+            group.start_soon(stream, file)
+    async with anyio.create_task_group() as group:
+        for sink, entry in list(streamed):
+            group.start_soon(commit, sink, entry)
+    await _in_thread(limiter, store.sync_dir, folder)
+
+
+async def publish_manifest(
+    store: Store, manifest: Manifest, limiter: anyio.CapacityLimiter
+) -> None:
+    """Publish ``manifest`` exclusively: the commit. CheckpointExistsError if another
+    writer's manifest is there first. Call only once every listed file is durable."""
+    step = manifest.step
+    path = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    try:
+        await _in_thread(limiter, store.publish, path, encode_manifest(manifest))
+    except CheckpointExistsError:
+        raise CheckpointExistsError(
+            f"step {step} was committed by another writer at {step_path(store, step)}"
+        ) from None
+
+
 async def commit_plan(
     store: Store,
     plan: SavePlan,
@@ -101,30 +158,11 @@ async def commit_plan(
     """
     step = plan.step
     folder = step_dirname(step)
-    manifest_path = f"{folder}/{MANIFEST_NAME}"
-    await _in_thread(limiter, store.make_dir, folder)
-    if await _in_thread(limiter, store.exists, manifest_path):
-        raise CheckpointExistsError(f"step {step} is already committed at {step_path(store, step)}")
-
+    await open_step(store, step, limiter)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
-
-    async def stream(file: WriteFile) -> None:
-        streamed.append(await _in_thread(limiter, _stream_file, store, folder, file))
-
-    async def commit(sink: FileSink, entry: FileEntry) -> None:
-        await _in_thread(limiter, _commit_file, sink)
-        streamed.remove((sink, entry))
-        committed.append(entry)
-
     try:
-        async with anyio.create_task_group() as group:
-            for file in plan.files:
-                group.start_soon(stream, file)
-        async with anyio.create_task_group() as group:
-            for sink, entry in list(streamed):
-                group.start_soon(commit, sink, entry)
-        await _in_thread(limiter, store.sync_dir, folder)
+        await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             step=step,
@@ -137,12 +175,7 @@ async def commit_plan(
             specs=plan.specs,
             writer="" if identity is None else identity.id,
         )
-        try:
-            await _in_thread(limiter, store.publish, manifest_path, encode_manifest(manifest))
-        except CheckpointExistsError:
-            raise CheckpointExistsError(
-                f"step {step} was committed by another writer at {step_path(store, step)}"
-            ) from None
+        await publish_manifest(store, manifest, limiter)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await _in_thread(limiter, _clean_up, store, step, streamed, committed)

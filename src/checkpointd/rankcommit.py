@@ -37,18 +37,24 @@ from checkpointd import tunables
 from checkpointd._version import __version__
 from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import crc32c
-from checkpointd.commit import _clean_up, _commit_file, _in_thread, _stream_file, _sweep
+from checkpointd.commit import (
+    _clean_up,
+    _in_thread,
+    _sweep,
+    open_step,
+    publish_manifest,
+    write_files,
+)
 from checkpointd.distributed import Group, Liveness
-from checkpointd.errors import CheckpointError, CheckpointExistsError, RankFailedError
+from checkpointd.errors import CheckpointError, RankFailedError
 from checkpointd.handle import first_leaf
-from checkpointd.layout import MANIFEST_NAME, step_dirname
+from checkpointd.layout import step_dirname
 from checkpointd.manifest import (
     SCHEMA_VERSION,
     CheckpointInfo,
     ComponentEntry,
     FileEntry,
     Manifest,
-    encode_manifest,
 )
 from checkpointd.plan import PlannedFile, SavePlan, WriteFile
 from checkpointd.retention import WriterIdentity
@@ -297,30 +303,10 @@ async def _write_share(
     """Stream and commit the files assigned to this rank, then post their entries
     (``streamed``/``committed`` collect them, for the clean-up on failure)."""
     group = attempt.group
-    folder = step_dirname(plan.step)
-    await _in_thread(limiter, store.make_dir, folder)
-    if await _in_thread(limiter, store.exists, f"{folder}/{MANIFEST_NAME}"):
-        raise CheckpointExistsError(
-            f"step {plan.step} is already committed at {step_path(store, plan.step)}"
-        )
+    await open_step(store, plan.step, limiter)
     assigned = assign_ranks(plan.files, group.world_size, group.rank, plan.per_rank)
     mine = [f for f in assigned if f.rank == group.rank]
-
-    async def stream(file: WriteFile) -> None:
-        streamed.append(await _in_thread(limiter, _stream_file, store, folder, file))
-
-    async def commit(sink: FileSink, entry: FileEntry) -> None:
-        await _in_thread(limiter, _commit_file, sink)
-        streamed.remove((sink, entry))
-        committed.append(entry)
-
-    async with anyio.create_task_group() as tasks:
-        for file in mine:
-            tasks.start_soon(stream, file)
-    async with anyio.create_task_group() as tasks:
-        for sink, entry in list(streamed):
-            tasks.start_soon(commit, sink, entry)
-    await _in_thread(limiter, store.sync_dir, folder)
+    await write_files(store, plan.step, mine, limiter, streamed=streamed, committed=committed)
     own = {key: plan.components[key] for key in plan.per_rank}
     await anyio.to_thread.run_sync(attempt.post, "files", _Share(committed, own, plan.per_rank))
 
@@ -360,11 +346,5 @@ async def _publish(
         specs=plan.specs,
         writer="" if identity is None else identity.id,
     )
-    path = f"{step_dirname(plan.step)}/{MANIFEST_NAME}"
-    try:
-        await _in_thread(limiter, store.publish, path, encode_manifest(manifest))
-    except CheckpointExistsError:
-        raise CheckpointExistsError(
-            f"step {plan.step} was committed by another writer at {step_path(store, plan.step)}"
-        ) from None
+    await publish_manifest(store, manifest, limiter)
     return manifest

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
-from checkpointd import rankcommit, tunables
+from checkpointd import commit, tunables
 
 SCENARIOS = ("replicated", "mismatch", "full_disk", "killed", "killed0", "rank0_only")
 
@@ -85,7 +85,7 @@ def main() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
     if (scenario, rank) in {("killed", 1), ("killed0", 0)}:
-        rankcommit._stream_file = _die_while_writing  # type: ignore[assignment]
+        commit._stream_file = _die_while_writing  # type: ignore[assignment]
     if scenario == "replicated":
         state["loader"] = checkpointd.PerRank(Position(10 * rank + 7))
         state["rng"] = checkpointd.RNGState()
