@@ -32,10 +32,11 @@ from checkpointd.format import (
 from checkpointd.header import TensorEntry, check_storable, shape_fits
 from checkpointd.layout import REGION_ALIGN as _REGION_ALIGN
 from checkpointd.layout import check_component_name
+from checkpointd.shards import is_dtensor, local_shard
 from checkpointd.stateful import component_state
 from checkpointd.tunables import MAX_TREE_DEPTH
 
-__all__ = ["CapturedComponent", "StagingBuffer", "capture"]
+__all__ = ["CapturedComponent", "CapturedShard", "StagingBuffer", "capture"]
 
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
@@ -84,6 +85,8 @@ class CapturedComponent:
     ``tree`` is made of fresh containers, primitives and format nodes (no
     reference to the caller's objects); ``entries`` place each tensor in the
     component's data region, which starts at ``offset`` in the staging arena.
+    ``shards`` are its DTensors; the local shards this rank writes are laid out
+    by ``shard_entries`` in a second region at ``shard_offset``.
     """
 
     name: str
@@ -91,6 +94,23 @@ class CapturedComponent:
     entries: list[TensorEntry] = field(default_factory=list)
     offset: int = 0
     nbytes: int = 0
+    shards: list[CapturedShard] = field(default_factory=list)
+    shard_entries: list[TensorEntry] = field(default_factory=list)
+    shard_offset: int = 0
+    shard_nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedShard:
+    """A DTensor of a component: its name in the tree, global shape and dtype, and this
+    rank's shard (``offsets``/``local_shape``), in ``shard_entries`` if ``written``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    written: bool
 
 
 @dataclass(slots=True)
@@ -103,9 +123,12 @@ class _Source:
 class _Walker:
     """Builds the storable tree of one component and collects its tensors once each."""
 
-    def __init__(self, component: str) -> None:
+    def __init__(self, component: str, ranked: bool = False) -> None:
         self.component = component
+        self.ranked = ranked
         self.sources: list[_Source] = []
+        self.shards: list[CapturedShard] = []
+        self.shard_sources: list[_Source] = []
         self._names: set[str] = set()
         self._aliases: dict[tuple[Any, ...], str] = {}
         self._active: set[int] = set()
@@ -235,6 +258,8 @@ class _Walker:
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
         where = self._where(path)
+        if is_dtensor(tensor):
+            return self._add_dtensor(tensor, path)
         plain = tensor.detach()
         if type(plain) is not torch.Tensor:
             raise UnsupportedValueError(
@@ -266,6 +291,32 @@ class _Walker:
         self.sources.append(_Source(name, source, numel * plain.element_size()))
         return name
 
+    def _add_dtensor(self, tensor: Any, path: tuple[str, ...]) -> str:
+        """Record a DTensor: its name in the tree, and its local shard as a source of the
+        shard region if this rank is the replica that writes it."""
+        key = ("dtensor", id(tensor))
+        if key in self._aliases:
+            return self._aliases[key]
+        where = self._where(path)
+        shard = local_shard(tensor.detach(), len(self.shards), self.ranked, where)
+        check_storable(tensor.dtype, where)
+        name = self._unique_name(path)
+        self._aliases[key] = name
+        self.shards.append(
+            CapturedShard(
+                name,
+                tensor.dtype,
+                shard.shape,
+                shard.offsets,
+                tuple(shard.local.shape),
+                shard.written,
+            )
+        )
+        if shard.written:
+            local = shard.local
+            self.shard_sources.append(_Source(name, local, local.numel() * local.element_size()))
+        return name
+
     def _unique_name(self, path: tuple[str, ...]) -> str:
         base = "/".join(path) or "tensor"
         if base == "__metadata__":
@@ -293,6 +344,11 @@ def _numpy_to_tensor(array: np.ndarray, where: str) -> torch.Tensor:
         raise UnsupportedValueError(f"{where}: {exc}") from exc
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of regions."""
+    return math.ceil(nbytes / _REGION_ALIGN) * _REGION_ALIGN
+
+
 def _layout(sources: list[_Source]) -> tuple[list[_Source], list[TensorEntry], int]:
     """Order tensors by decreasing element size so every tensor is naturally aligned."""
     ordered = sorted(sources, key=lambda s: -s.tensor.element_size())
@@ -307,34 +363,49 @@ def _layout(sources: list[_Source]) -> tuple[list[_Source], list[TensorEntry], i
     return ordered, entries, position
 
 
-def capture(state: Mapping[str, Any], buffer: StagingBuffer) -> list[CapturedComponent]:
+def capture(
+    state: Mapping[str, Any], buffer: StagingBuffer, *, ranked: bool = False
+) -> list[CapturedComponent]:
     """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory.
 
     Called on the caller's thread. Raises UnsupportedValueError (before copying
-    anything) if a value cannot be stored.
+    anything) if a value cannot be stored. ``ranked``: every rank of the job saves
+    this state together (DTensors spread over ranks are allowed).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             f"state must be a mapping of component name to value, not {type(state).__qualname__}"
         )
     planned: list[tuple[CapturedComponent, list[_Source]]] = []
+    planned_shards: list[list[_Source]] = []
     total = 0
     for name, value in state.items():
         check_component_name(name)
-        walker = _Walker(name)
+        walker = _Walker(name, ranked)
         tree = walker.walk(component_state(value, name), ())
         ordered, entries, nbytes = _layout(walker.sources)
-        planned.append((CapturedComponent(name, tree, entries, total, nbytes), ordered))
-        total += math.ceil(nbytes / _REGION_ALIGN) * _REGION_ALIGN
+        component = CapturedComponent(name, tree, entries, total, nbytes, walker.shards)
+        total += _aligned(nbytes)
+        shard_sources, component.shard_entries, component.shard_nbytes = _layout(
+            walker.shard_sources
+        )
+        component.shard_offset = total
+        total += _aligned(component.shard_nbytes)
+        planned.append((component, ordered))
+        planned_shards.append(shard_sources)
 
-    devices = {s.tensor.device for _, sources in planned for s in sources}
+    regions = [(sources, component.entries, component.offset) for component, sources in planned] + [
+        (sources, component.shard_entries, component.shard_offset)
+        for (component, _), sources in zip(planned, planned_shards, strict=True)
+    ]
+    devices = {s.tensor.device for sources, _, _ in regions for s in sources}
     uses_cuda = any(d.type == "cuda" for d in devices)
     arena = buffer.reserve(total, pinned=uses_cuda)
-    for component, sources in planned:
-        for source, entry in zip(sources, component.entries, strict=True):
+    for sources, entries, offset in regions:
+        for source, entry in zip(sources, entries, strict=True):
             if source.nbytes == 0:
                 continue
-            begin = component.offset + entry.begin
+            begin = offset + entry.begin
             target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)
             target.view(source.tensor.shape).copy_(source.tensor, non_blocking=uses_cuda)
     if uses_cuda:

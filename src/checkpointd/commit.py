@@ -33,11 +33,11 @@ from checkpointd.cleanup import remove_leftovers, unreferenced_files
 from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError
 from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.manifest import (
-    SCHEMA_VERSION,
     CheckpointInfo,
     FileEntry,
     Manifest,
     encode_manifest,
+    schema_for,
 )
 from checkpointd.plan import SavePlan, WriteFile
 from checkpointd.retention import WriterIdentity
@@ -164,7 +164,7 @@ async def commit_plan(
     try:
         await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
         manifest = Manifest(
-            schema_version=SCHEMA_VERSION,
+            schema_version=schema_for(plan.components),
             step=step,
             created_at=plan.created_at,
             library_version=__version__,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from checkpointd.errors import RestoreMismatchError
+from checkpointd.optimizers import is_by_name
 from checkpointd.stateful import (
     BIT_GENERATOR_KEY,
     RANDOM_STATE_KEY,
@@ -273,6 +274,24 @@ def _optimizer_problems(live: torch.optim.Optimizer, tree: Any) -> list[str]:
     return problems
 
 
+def _by_name_problems(
+    name: str, live: torch.optim.Optimizer, tree: Any, targets: Mapping[str, Any]
+) -> list[str]:
+    """An optimizer state saved by parameter name against the live optimizer's, read the
+    same way (its state initialized): parameter names, state keys, shapes and dtypes."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from checkpointd.optimizers import owner
+
+    model = owner(live, targets)
+    if model is None:
+        return [
+            "it was saved by parameter name: restore the model that holds the optimizer's "
+            "parameters in the same call"
+        ]
+    return layout_problems(get_optimizer_state_dict(model, live), tree)
+
+
 def _scheduler_problems(live: torch.optim.lr_scheduler.LRScheduler, tree: Any) -> list[str]:
     """A different scheduler class, or a different number of parameter groups."""
     if not isinstance(tree, Mapping):
@@ -293,7 +312,7 @@ def _scheduler_problems(live: torch.optim.lr_scheduler.LRScheduler, tree: Any) -
     ]
 
 
-def check_fits(name: str, target: Any, tree: Any) -> None:
+def check_fits(name: str, target: Any, tree: Any, targets: Mapping[str, Any] | None = None) -> None:
     """Raise RestoreMismatchError unless ``tree`` fits the live ``target``; changes nothing.
 
     Modules: tensor names, shapes, dtypes. Optimizers: group hyper-parameter keys
@@ -304,6 +323,8 @@ def check_fits(name: str, target: Any, tree: Any) -> None:
     problems: list[str] = []
     if isinstance(live, torch.nn.Module):
         problems = _module_problems(live, tree)
+    elif isinstance(live, torch.optim.Optimizer) and is_by_name(tree):
+        problems = _by_name_problems(name, live, tree, targets or {})
     elif isinstance(live, torch.optim.Optimizer):
         problems = _optimizer_problems(live, tree)
     elif isinstance(live, torch.optim.lr_scheduler.LRScheduler):

@@ -215,7 +215,7 @@ def decode_tree(
         if code == _EXT_STATE_DICT:
             return _state_dict(decoder.decode(payload), where)
         if code == _EXT_DTYPE:
-            return _dtype_by_name(bytes(payload).decode(), where)
+            return dtype_by_name(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
             return _decode_numpy_scalar(decoder.decode(payload), where)
         raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
@@ -300,7 +300,7 @@ def _check_decoded(tree: Any, where: str) -> None:
 _DTYPES_BY_NAME = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
-def _dtype_by_name(name: str, where: str) -> torch.dtype:
+def dtype_by_name(name: str, where: str) -> torch.dtype:
     dtype = _DTYPES_BY_NAME.get(name)
     if dtype is None:
         raise CorruptCheckpointError(f"{where}: unknown dtype name {name!r}")

@@ -24,6 +24,7 @@ __all__ = [
     "is_step",
     "is_temp_name",
     "parse_step_dirname",
+    "shard_file_name",
     "step_dirname",
     "tensor_file_name",
     "tree_file_name",
@@ -100,6 +101,12 @@ def tree_file_name(component: str, token: str | None = None) -> str:
 def tensor_file_name(component: str, token: str | None = None) -> str:
     """File name of a component's tensors: ``C.T.safetensors`` (``C.safetensors`` untokened)."""
     return f"{component}.safetensors" if token is None else f"{component}.{token}.safetensors"
+
+
+def shard_file_name(component: str, token: str, rank: int) -> str:
+    """File name of the shards rank ``rank`` stores of a component's sharded tensors:
+    ``C.T.rankR.safetensors``."""
+    return f"{component}.{token}.rank{rank}.safetensors"
 
 
 # --- alignment ---------------------------------------------------------------

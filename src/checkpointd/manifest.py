@@ -13,7 +13,7 @@ older ones through ``_MIGRATIONS``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -37,14 +37,21 @@ __all__ = [
     "ComponentEntry",
     "FileEntry",
     "Manifest",
+    "ShardEntry",
+    "ShardedTensor",
     "SpecEntry",
     "decode_manifest",
     "encode_manifest",
+    "schema_for",
+    "shard_problem",
     "step_dirname",
     "too_deep",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema this version reads. A checkpoint is written with the oldest schema
+that describes it: 2 only if a component holds sharded tensors (``ComponentEntry.sharded``),
+which a version-1 reader would misread as missing tensors; 1 otherwise."""
 FORMAT_NAME = "checkpointd"
 
 _T = TypeVar("_T")
@@ -60,13 +67,38 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     rank: int = 0
 
 
+class ShardEntry(msgspec.Struct, frozen=True):
+    """One stored shard of a sharded tensor: the box ``offsets .. offsets + shape`` of the
+    global tensor, row-major at byte ``begin`` of tensor file ``file`` (key: the tensor's
+    name). ``crc32c`` holds the CRC32C of each ``block_bytes`` piece of the shard's bytes
+    (the last one shorter), so a reader of part of a shard checks what it read."""
+
+    file: str
+    offsets: list[int]
+    shape: list[int]
+    begin: int
+    block_bytes: int
+    crc32c: list[int]
+
+
+class ShardedTensor(msgspec.Struct, frozen=True):
+    """A tensor stored as shards (a DTensor): dtype name, global shape, and shards that
+    tile it exactly, each written once."""
+
+    dtype: str
+    shape: list[int]
+    shards: list[ShardEntry]
+
+
 class ComponentEntry(msgspec.Struct, frozen=True):
-    """Where one component lives: its tree file and its tensor files."""
+    """Where one component lives: its tree file, its tensor files, and its sharded tensors
+    (schema 2; each shard's file is listed in ``Manifest.files`` too)."""
 
     tree: str
     tensors: list[str] = msgspec.field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
+    sharded: dict[str, ShardedTensor] = msgspec.field(default_factory=dict)
 
 
 class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -121,6 +153,13 @@ class _Version(msgspec.Struct):
 
 # Each entry turns the raw dict of schema version N into version N + 1.
 _MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+# Versions the current Struct decodes as they are (2 only added optional fields).
+_DECODED_AS_IS = frozenset({1, 2})
+
+
+def schema_for(components: Mapping[str, ComponentEntry]) -> int:
+    """The schema version a manifest with these components is written with."""
+    return 2 if any(entry.sharded for entry in components.values()) else 1
 
 
 def too_deep(value: Any) -> bool:
@@ -193,7 +232,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    if version.schema_version == SCHEMA_VERSION:
+    if version.schema_version in _DECODED_AS_IS:
         manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     else:
         manifest = _decode(where, lambda: _migrate(body, version.schema_version))
@@ -248,9 +287,58 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
                 raise CorruptCheckpointError(
                     f"{where}: component {name!r} refers to unlisted file {path!r}"
                 )
+    for name, component in manifest.components.items():
+        for tensor, sharded in component.sharded.items():
+            if problem := shard_problem(sharded, listed):
+                raise CorruptCheckpointError(f"{where}: sharded tensor {name}/{tensor}: {problem}")
     for name, keys in manifest.per_rank.items():
         if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
             raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
+
+
+def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str | None:
+    """What is wrong with a sharded tensor's entry, or None: each shard must lie inside the
+    global shape, list a file from ``files`` (when given) and a CRC32C per block, and the
+    shards must tile the tensor exactly (their volumes add up to it and no two overlap)."""
+    shape = sharded.shape
+    if any(d < 0 for d in shape):
+        return f"negative dimension in shape {shape}"
+    total = 0
+    for shard in sharded.shards:
+        box = list(zip(shard.offsets, shard.shape, strict=False))
+        if len(box) != len(shape) or len(shard.shape) != len(shape):
+            return f"shard at {shard.offsets} has another rank than shape {shape}"
+        if any(o < 0 or n < 0 or o + n > d for (o, n), d in zip(box, shape, strict=True)):
+            return f"shard at {shard.offsets} of shape {shard.shape} lies outside {shape}"
+        if files is not None and shard.file not in files:
+            return f"shard file {shard.file!r} is not listed"
+        if shard.block_bytes <= 0 or shard.begin < 0:
+            return f"shard at {shard.offsets}: invalid begin or block size"
+        total += _volume(shard.shape)
+    if total != _volume(shape):
+        return f"shards hold {total} elements, the tensor {_volume(shape)}"
+    shards = sorted((s for s in sharded.shards if _volume(s.shape)), key=lambda s: s.offsets)
+    for i, a in enumerate(shards):
+        for b in shards[i + 1 :]:
+            if shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
+                break  # sorted by the first offset: no later shard reaches back into a
+            if _overlap(a, b):
+                return f"shards at {a.offsets} and {b.offsets} overlap"
+    return None
+
+
+def _volume(shape: list[int]) -> int:
+    volume = 1
+    for dim in shape:
+        volume *= dim
+    return volume
+
+
+def _overlap(a: ShardEntry, b: ShardEntry) -> bool:
+    return all(
+        ao < bo + bn and bo < ao + an
+        for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
+    )
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):

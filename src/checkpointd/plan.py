@@ -24,12 +24,18 @@ from datetime import datetime
 from typing import Any, TypeAlias
 
 from checkpointd.capture import CapturedComponent, StagingBuffer
-from checkpointd.checksum import BytesLike
+from checkpointd.checksum import BytesLike, crc32c
 from checkpointd.format import encode_tree
 from checkpointd.header import encode_safetensors_header
-from checkpointd.layout import DIRECT_ALIGN, HEADER_ALIGN, tensor_file_name, tree_file_name
-from checkpointd.manifest import ComponentEntry, SpecEntry
-from checkpointd.tunables import DIRECT_MIN_BYTES
+from checkpointd.layout import (
+    DIRECT_ALIGN,
+    HEADER_ALIGN,
+    shard_file_name,
+    tensor_file_name,
+    tree_file_name,
+)
+from checkpointd.manifest import ComponentEntry, ShardedTensor, ShardEntry, SpecEntry
+from checkpointd.tunables import DIRECT_MIN_BYTES, SHARD_BLOCK_BYTES
 
 __all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_snapshot"]
 
@@ -49,6 +55,8 @@ class Snapshot:
     """This writer's attempt number at ``step`` (0 first); names a many-rank save's keys."""
     per_rank: dict[str, str] = field(default_factory=dict)
     """Components that hold this rank's own state -> the per-rank component's name."""
+    rank: int = 0
+    """This process's rank in the group that saves (0 alone); names its shard files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +65,15 @@ class WriteFile:
 
     ``component`` is the component it belongs to (for messages), ``rank`` the rank
     that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
+    ``own``: the file holds this rank's shards, so this rank writes it and no other
+    rank has a copy to compare it with.
     """
 
     name: str
     parts: Sequence[BytesLike]
     component: str
     rank: int = 0
+    own: bool = False
 
     @property
     def size(self) -> int:
@@ -111,11 +122,17 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
             header = encode_safetensors_header(component.entries, align=align)
             data = snapshot.buffer.view(component.offset, component.nbytes)
             files.append(WriteFile(tensors, [header, data], name))
+        sharded: dict[str, ShardedTensor] = {}
+        if component.shards:
+            shard_file, sharded = _plan_shards(component, snapshot.buffer, token, snapshot.rank)
+            if shard_file is not None:
+                files.append(shard_file)
         components[name] = ComponentEntry(
             tree=tree,
             tensors=tensor_names,
             nbytes=component.nbytes,
             num_tensors=len(component.entries),
+            sharded=sharded,
         )
     return SavePlan(
         step=snapshot.step,
@@ -127,3 +144,40 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
         specs=snapshot.specs,
         per_rank=snapshot.per_rank,
     )
+
+
+def _plan_shards(
+    component: CapturedComponent, buffer: StagingBuffer, token: str, rank: int
+) -> tuple[WriteFile | None, dict[str, ShardedTensor]]:
+    """The file of the shards this rank writes of ``component`` (None if it writes none)
+    and an entry per sharded tensor listing them; the publisher of a many-rank save
+    merges every rank's entries. Block CRC32Cs are computed here: call it off the loop."""
+    sharded = {
+        s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
+        for s in component.shards
+    }
+    if not component.shard_entries:
+        return None, sharded
+    name = shard_file_name(component.name, token, rank)
+    align = DIRECT_ALIGN if component.shard_nbytes >= DIRECT_MIN_BYTES else HEADER_ALIGN
+    header = encode_safetensors_header(component.shard_entries, align=align)
+    data = buffer.view(component.shard_offset, component.shard_nbytes)
+    by_name = {s.name: s for s in component.shards}
+    for entry in component.shard_entries:
+        shard = by_name[entry.name]
+        region = data[entry.begin : entry.end]
+        blocks = [
+            crc32c(region[at : at + SHARD_BLOCK_BYTES])
+            for at in range(0, len(region), SHARD_BLOCK_BYTES)
+        ]
+        sharded[entry.name].shards.append(
+            ShardEntry(
+                name,
+                list(shard.offsets),
+                list(shard.local_shape),
+                len(header) + entry.begin,
+                SHARD_BLOCK_BYTES,
+                blocks,
+            )
+        )
+    return WriteFile(name, [header, data], component.name, rank, own=True), sharded

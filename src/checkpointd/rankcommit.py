@@ -50,11 +50,13 @@ from checkpointd.errors import CheckpointError, RankFailedError
 from checkpointd.handle import first_leaf
 from checkpointd.layout import step_dirname
 from checkpointd.manifest import (
-    SCHEMA_VERSION,
     CheckpointInfo,
     ComponentEntry,
     FileEntry,
     Manifest,
+    ShardedTensor,
+    schema_for,
+    shard_problem,
 )
 from checkpointd.plan import PlannedFile, SavePlan, WriteFile
 from checkpointd.retention import WriterIdentity
@@ -70,7 +72,7 @@ def component_digests(plan: SavePlan) -> dict[str, list[int]]:
     order (per-rank components are not compared). Any thread."""
     digests: dict[str, list[int]] = {}
     for file in plan.files:
-        if file.component in plan.per_rank:
+        if file.component in plan.per_rank or file.own:
             continue
         digest, size = digests.get(file.component, [0, 0])
         for part in file.parts:
@@ -84,15 +86,16 @@ def component_digests(plan: SavePlan) -> dict[str, list[int]]:
 def assign_ranks(
     files: list[PlannedFile], world_size: int, rank: int, per_rank: Mapping[str, str]
 ) -> list[WriteFile]:
-    """``files`` with each one's writing rank: a per-rank component's to ``rank``; the
-    replicated ones largest first to the least-loaded rank (lowest rank on ties), so
-    every rank writes about the same number of bytes, the same on every rank."""
+    """``files`` with each one's writing rank: a per-rank component's and this rank's
+    shard files to ``rank``; the replicated ones largest first to the least-loaded rank
+    (lowest rank on ties), so every rank writes about the same number of bytes, the
+    same on every rank."""
     loads = [0] * world_size
     ranked: dict[str, WriteFile] = {}
     for file in files:
-        if file.component in per_rank:
-            ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank)
-    shared = [f for f in files if f.component not in per_rank]
+        if file.component in per_rank or file.own:
+            ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank, own=True)
+    shared = [f for f in files if f.component not in per_rank and not f.own]
     for file in sorted(shared, key=lambda f: (-f.size, f.name)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         loads[rank] += file.size
@@ -127,6 +130,8 @@ class _Share(msgspec.Struct, frozen=True):
     files: list[FileEntry]
     components: dict[str, ComponentEntry]
     per_rank: dict[str, str]
+    sharded: dict[str, dict[str, ShardedTensor]] = msgspec.field(default_factory=dict)
+    """Per replicated component, its sharded tensors with the shards this rank wrote."""
 
 
 def _lost_store(method: Callable[..., T]) -> Callable[..., T]:
@@ -308,7 +313,41 @@ async def _write_share(
     mine = [f for f in assigned if f.rank == group.rank]
     await write_files(store, plan.step, mine, limiter, streamed=streamed, committed=committed)
     own = {key: plan.components[key] for key in plan.per_rank}
-    await anyio.to_thread.run_sync(attempt.post, "files", _Share(committed, own, plan.per_rank))
+    sharded = {
+        name: entry.sharded
+        for name, entry in plan.components.items()
+        if entry.sharded and name not in plan.per_rank
+    }
+    share = _Share(committed, own, plan.per_rank, sharded)
+    await anyio.to_thread.run_sync(attempt.post, "files", share)
+
+
+def _merge_shards(
+    step: int, name: str, entry: ComponentEntry, shares: list[_Share]
+) -> ComponentEntry:
+    """``entry`` with the shards every rank wrote of its sharded tensors; raises
+    RankFailedError unless they tile each tensor exactly (ranks that disagree on a
+    DTensor's shape or placements)."""
+    if not entry.sharded:
+        return entry
+    merged: dict[str, ShardedTensor] = {}
+    for tensor, mine in entry.sharded.items():
+        shards = []
+        for share in shares:
+            theirs = share.sharded.get(name, {}).get(tensor)
+            if theirs is None or (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape):
+                raise RankFailedError(
+                    f"the save of step {step} failed: ranks disagree on DTensor "
+                    f"{name}/{tensor} (its dtype and global shape must be the same on every rank)"
+                )
+            shards += theirs.shards
+        merged[tensor] = ShardedTensor(mine.dtype, mine.shape, shards)
+        if problem := shard_problem(merged[tensor]):
+            raise RankFailedError(
+                f"the save of step {step} failed: the shards of DTensor {name}/{tensor} do not "
+                f"tile it ({problem}); every rank must save the same DTensors"
+            )
+    return msgspec.structs.replace(entry, sharded=merged)
 
 
 async def _publish(
@@ -325,7 +364,9 @@ async def _publish(
     shares = [msgspec.json.decode(posted[r], type=_Share) for r in sorted(posted)]
     files = [entry for share in shares for entry in share.files]
     components = {
-        name: entry for name, entry in plan.components.items() if name not in plan.per_rank
+        name: _merge_shards(plan.step, name, entry, shares)
+        for name, entry in plan.components.items()
+        if name not in plan.per_rank
     }
     per_rank: dict[str, list[str]] = {}
     for share in shares:
@@ -333,7 +374,7 @@ async def _publish(
         for key, name in share.per_rank.items():
             per_rank.setdefault(name, []).append(key)
     manifest = Manifest(
-        schema_version=SCHEMA_VERSION,
+        schema_version=schema_for(components),
         step=plan.step,
         created_at=plan.created_at,
         library_version=__version__,

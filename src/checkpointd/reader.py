@@ -10,7 +10,7 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpointd import catalog, tunables
@@ -21,13 +21,22 @@ from checkpointd.errors import (
     CorruptCheckpointError,
     StorageNotFoundError,
 )
-from checkpointd.manifest import MANIFEST_NAME, ComponentEntry, FileEntry, Manifest, step_dirname
+from checkpointd.manifest import (
+    MANIFEST_NAME,
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    ShardedTensor,
+    ShardEntry,
+    step_dirname,
+)
 from checkpointd.storage import Store
 
 if TYPE_CHECKING:
     import torch
 
     from checkpointd.header import TensorEntry
+    from checkpointd.shards import Box
 
 __all__ = ["StepReader", "verify_step"]
 """Bytes per read when a file is streamed through CRC32C (verify)."""
@@ -136,16 +145,85 @@ class StepReader:
             tensors[entry.name] = chunk.view(entry.dtype).view(entry.shape)
         return tensors
 
-    def component(self, name: str, entry: ComponentEntry | None = None) -> Any:
-        """The state tree of component ``name``, its tensors read and checked."""
+    def component(
+        self,
+        name: str,
+        entry: ComponentEntry | None = None,
+        templates: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """The state tree of component ``name``, its tensors read and checked.
+
+        Sharded tensors are assembled whole, except those named in ``templates``
+        (tensor name -> a live DTensor): each of those comes back as a DTensor like
+        its template, holding only this rank's part, read from the shards it overlaps.
+        """
         from checkpointd.format import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors: dict[str, torch.Tensor] = {}
-        for tensor_file in entry.tensors:
-            tensors.update(self.tensors(tensor_file))
+        tensors = _ComponentTensors(self, entry, templates or {})
         tree = bytes(self.read(entry.tree).numpy())
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
+
+    def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor:
+        """The ``box`` (offsets, shape) of sharded tensor ``name``, read from the shards that
+        overlap it: whole blocks of each, each block checked against its CRC32C."""
+        import torch
+
+        from checkpointd.format import dtype_by_name
+        from checkpointd.shards import intersect
+
+        dtype = dtype_by_name(sharded.dtype, f"{self.where}: tensor {name!r}")
+        out = torch.empty(box[1], dtype=dtype)
+        for shard in sharded.shards:
+            part = intersect((tuple(shard.offsets), tuple(shard.shape)), box)
+            if part is None or 0 in part[1]:
+                continue
+            where = tuple(
+                slice(o - b, o - b + n) for o, n, b in zip(part[0], part[1], box[0], strict=True)
+            )
+            out[where] = self._shard_part(shard, dtype, part)
+        return out
+
+    def _shard_part(self, shard: ShardEntry, dtype: torch.dtype, part: Box) -> torch.Tensor:
+        """The elements of ``part`` (global coordinates, inside ``shard``) as a strided view
+        of the whole blocks of the shard that hold them, after checking those blocks."""
+        import torch
+
+        strides = [1] * len(shard.shape)
+        for d in range(len(shard.shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shard.shape[d + 1]
+        inner = [o - s for o, s in zip(part[0], shard.offsets, strict=True)]
+        first = sum(i * s for i, s in zip(inner, strides, strict=True))
+        last = first + sum((n - 1) * s for n, s in zip(part[1], strides, strict=True))
+        size = dtype.itemsize
+        total = size * _volume(shard.shape)
+        block = shard.block_bytes
+        lo, hi = first * size // block, -(-(last + 1) * size // block)
+        if hi > len(shard.crc32c) or total > shard.block_bytes * len(shard.crc32c):
+            raise CorruptCheckpointError(
+                f"{self.where}/{shard.file}: the shard at {shard.offsets} has too few block digests"
+            )
+        begin, end = lo * block, min(hi * block, total)
+        self._size(shard.file)
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        view = data.numpy().data.cast("B")
+        try:
+            self.store.read_into(f"{self.folder}/{shard.file}", view, shard.begin + begin)
+        except StorageNotFoundError:
+            raise self._vanished(shard.file) from None
+        if self.verify:
+            for index in range(lo, hi):
+                at = index * block - begin
+                actual = crc32c(view[at : at + block])
+                if actual != shard.crc32c[index]:
+                    raise CorruptCheckpointError(
+                        f"{self.where}/{shard.file}: block {index} of the shard at "
+                        f"{shard.offsets} has CRC32C {actual:08x}, the manifest "
+                        f"{shard.crc32c[index]:08x}"
+                    )
+        flat = data.view(dtype)
+        offset = flat.storage_offset() + first - begin // size
+        return flat.as_strided(part[1], strides, offset)
 
     def verify_file(self, entry: FileEntry, progress: Progress | None = None) -> str | None:
         """Stream every byte of one file through CRC32C; what is wrong with it, or None.
@@ -171,6 +249,55 @@ class StepReader:
         if digest != entry.crc32c:
             return f"CRC32C {digest:08x} does not match the manifest's {entry.crc32c:08x}"
         return None
+
+
+def _volume(shape: list[int]) -> int:
+    volume = 1
+    for dim in shape:
+        volume *= dim
+    return volume
+
+
+class _ComponentTensors(Mapping[str, "torch.Tensor"]):
+    """A component's tensors by name, read when the tree decoder asks for them: the
+    plain tensor files all at once on first use, sharded tensors one by one."""
+
+    def __init__(self, reader: StepReader, entry: ComponentEntry, templates: Mapping[str, Any]):
+        self.reader = reader
+        self.entry = entry
+        self.templates = templates
+        self._plain: dict[str, torch.Tensor] | None = None
+
+    def plain(self) -> dict[str, torch.Tensor]:
+        if self._plain is None:
+            self._plain = {}
+            for tensor_file in self.entry.tensors:
+                self._plain.update(self.reader.tensors(tensor_file))
+        return self._plain
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from checkpointd.shards import as_template
+
+        sharded = self.entry.sharded.get(name)
+        template = self.templates.get(name)
+        if template is None:
+            if sharded is None:
+                return self.plain()[name]
+            return self.reader.region(
+                name, sharded, ((0,) * len(sharded.shape), tuple(sharded.shape))
+            )
+        plain = None if sharded is not None else self.plain()[name]
+        placed: torch.Tensor = as_template(name, template, plain, sharded, self.reader.region)
+        return placed
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entry.sharded or name in self.plain()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self.plain(), **self.entry.sharded})
+
+    def __len__(self) -> int:
+        return len({**self.plain(), **self.entry.sharded})
 
 
 def verify_step(

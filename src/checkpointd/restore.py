@@ -31,7 +31,7 @@ from checkpointd.errors import (
 from checkpointd.fit import check_fits, check_restorable
 from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.reader import StepReader
-from checkpointd.stateful import component_state, load_component
+from checkpointd.stateful import component_state, dtensor_templates, load_component
 from checkpointd.storage import Store, open_store
 from checkpointd.tree import map_tree
 
@@ -115,8 +115,10 @@ def _load_from(
     components: Iterable[str] | None,
     map_location: str | torch.device | None,
     verify: bool,
+    templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Checkpoint:
-    """Read the named components of a committed step whose manifest is already read."""
+    """Read the named components of a committed step whose manifest is already read;
+    ``templates[component]`` names the live DTensors to read only this rank's part of."""
     wanted = list(manifest.components) if components is None else list(components)
     missing = [name for name in wanted if name not in manifest.components]
     if missing:
@@ -126,7 +128,10 @@ def _load_from(
         )
     reader = StepReader(store, step, manifest, verify=verify)
     with concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool:
-        futures = {name: pool.submit(reader.component, name) for name in wanted}
+        futures = {
+            name: pool.submit(reader.component, name, None, (templates or {}).get(name))
+            for name in wanted
+        }
         state = {name: future.result() for name, future in futures.items()}
     if map_location is not None:
         device = torch.device(map_location)
@@ -241,9 +246,16 @@ def _prepare(
         )
     for name in names:
         check_restorable(targets[name], name)
+    templates = {name: dtensor_templates(name, targets[name], targets) for name in names}
     # The manifest read above is the one the files are checked against: read once.
     checkpoint = _load_from(
-        store, found_step, manifest, components=names, map_location=None, verify=True
+        store,
+        found_step,
+        manifest,
+        components=names,
+        map_location=None,
+        verify=True,
+        templates=templates,
     )
     return found_step, checkpoint, targets, names, missing, unexpected
 
@@ -281,7 +293,7 @@ def restore(
         store.close()
     found_step, checkpoint, targets, names, missing, unexpected = prepared
     for name in names:
-        check_fits(name, targets[name], checkpoint.state[name])
+        check_fits(name, targets[name], checkpoint.state[name], targets)
     backups = {name: _backup(targets[name]) for name in names}
     touched: list[str] = []
     try:
@@ -289,7 +301,7 @@ def restore(
             # The target is touched before load_state_dict returns: a module copies
             # tensors one by one and may raise half way.
             touched.append(name)
-            load_component(targets[name], checkpoint.state[name])
+            load_component(targets[name], checkpoint.state[name], targets)
     except Exception as exc:
         _roll_back(targets, backups, touched)
         raise RestoreMismatchError(

@@ -183,11 +183,12 @@ class WriteService:
         """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""
         group = self.group
         if group is None:
-            plan = plan_snapshot(snapshot)
+            plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
             return await commit_plan(self.store, plan, limiter, identity=self.identity)
         from checkpointd.rankcommit import commit_ranked
 
-        plan = plan_snapshot(snapshot, f"{group.token}{snapshot.attempt}")
+        token = f"{group.token}{snapshot.attempt}"
+        plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot, token)
         return await commit_ranked(
             self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
         )

@@ -32,6 +32,7 @@ __all__ = [
     "RANDOM_STATE_KEY",
     "Stateful",
     "component_state",
+    "dtensor_templates",
     "is_random_generator",
     "is_stateful",
     "load_component",
@@ -113,16 +114,43 @@ def component_state(value: Any, name: str) -> Any:
     return value
 
 
-def load_component(target: Any, tree: Any) -> None:
+def dtensor_templates(name: str, target: Any, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """The live DTensors of a target by tensor name (the names capture gives them): what
+    restore reads only this rank's part of. Empty unless torch.distributed is in use."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return {}
+    from checkpointd.optimizers import named_template
+    from checkpointd.shards import is_dtensor
+    from checkpointd.tree import walk
+
+    live = unwrap(target)
+    if is_dtensor(live):
+        return {"tensor": live}
+    if isinstance(live, torch.optim.Optimizer):
+        tree = named_template(name, live, targets)
+    elif is_stateful(live) and not is_random_generator(live):
+        tree = live.state_dict()
+    else:
+        return {}
+    return {"/".join(path): leaf for path, leaf in walk(tree) if is_dtensor(leaf)}
+
+
+def load_component(target: Any, tree: Any, targets: Mapping[str, Any] | None = None) -> None:
     """Load a component's state tree into a live target, in place (see ``component_state``).
 
     Objects get ``load_state_dict``; generators their state; a tensor is copied
-    into (same shape and dtype only); a dict is cleared and updated.
+    into (same shape and dtype only); a dict is cleared and updated; an optimizer
+    state saved by parameter name goes through its model among ``targets``.
     """
     from checkpointd.fit import check_restorable, layout_problems  # fit imports this module
+    from checkpointd.optimizers import is_by_name, load_by_name
 
     target = unwrap(target)
-    if isinstance(target, torch.Generator):
+    if isinstance(target, torch.optim.Optimizer) and is_by_name(tree):
+        load_by_name("optimizer", target, tree, targets or {})
+    elif isinstance(target, torch.Generator):
         # A fresh tensor: set_state on a view into a larger buffer (how loaded tensors come
         # back) crashes the process in torch 2.13.
         target.set_state(torch.as_tensor(tree[_GENERATOR_KEY], dtype=torch.uint8).clone())

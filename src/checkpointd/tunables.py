@@ -28,6 +28,7 @@ __all__ = [
     "READ_THREADS",
     "S3_PARALLEL_PARTS",
     "S3_PART_BYTES",
+    "SHARD_BLOCK_BYTES",
     "STALE_SECONDS",
 ]
 
@@ -67,6 +68,11 @@ READ_THREADS = 4
 
 READ_CHUNK_BYTES = 8 * 2**20
 """Bytes read per call when a file is verified by streaming it."""
+
+SHARD_BLOCK_BYTES = 8 * 2**20
+"""A shard's bytes carry one CRC32C per block of this size (recorded in the manifest),
+so a restore that reads part of a shard (resharding) checks what it read; it reads
+whole blocks, at most two more than it needs per piece."""
 
 # --- limits readers enforce (part of the format) --------------------------------
 

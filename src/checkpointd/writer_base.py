@@ -222,7 +222,11 @@ class WriterBase:
         created_at = datetime.now(UTC)
         group = self._ranks
         captured, per_rank = split_state(state, None if group is None else group.rank)
-        components = capture(captured, buffer)
+        if group is not None or "torch.distributed" in sys.modules:
+            from checkpointd.optimizers import by_parameter_name
+
+            captured = by_parameter_name(captured, ranked=group is not None)
+        components = capture(captured, buffer, ranked=group is not None)
         attempt = 0 if group is None else group.attempt(step)
         return Snapshot(
             step,
@@ -233,6 +237,7 @@ class WriterBase:
             specs=specs or {},
             attempt=attempt,
             per_rank=per_rank,
+            rank=0 if group is None else group.rank,
         )
 
     def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:

@@ -1,0 +1,145 @@
+"""Sharded tensors (DTensor): what a rank's shard is, whether it writes it, and boxes.
+
+A DTensor (FSDP2, tensor parallel, HSDP) is stored as the shards its ranks hold,
+each with its offsets in the global tensor. Replicas of a shard (ranks that differ
+only along ``Replicate`` mesh dimensions) hold the same bytes: one of them writes
+it, chosen by the tensor's ordinal so the replicas share the work. Everything
+here is pure arithmetic on shapes and meshes; torch.distributed is imported only
+when a DTensor is met.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from checkpointd.errors import RestoreMismatchError, UnsupportedValueError
+
+__all__ = ["Box", "LocalShard", "as_template", "intersect", "is_dtensor", "local_shard"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""(offsets, shape) of a box in a tensor's index space."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """This rank's shard of a DTensor: its data, where it sits in the global tensor,
+    and whether this rank is the replica that writes it."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    written: bool
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a torch.distributed DTensor (without importing torch.distributed)."""
+    return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
+
+
+def local_shard(tensor: Any, ordinal: int, ranked: bool, where: str) -> LocalShard:
+    """This rank's shard of DTensor ``tensor``, the ``ordinal``-th DTensor of its
+    component. ``ranked``: the writer saves with every rank of the job; a DTensor
+    spread over several ranks cannot be saved by a writer that saves alone.
+    Caller thread. Raises UnsupportedValueError for placements it cannot store."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    for placement in placements:
+        if placement.is_partial():
+            raise UnsupportedValueError(
+                f"{where}: a DTensor with a Partial placement holds unreduced values; "
+                "redistribute it to Shard or Replicate before saving"
+            )
+        if not (placement.is_shard() or placement.is_replicate()) or (
+            type(placement).__name__ != "Shard" and placement.is_shard()
+        ):
+            raise UnsupportedValueError(
+                f"{where}: DTensor placement {placement!r} is not supported (Shard and "
+                "Replicate are)"
+            )
+    if mesh.size() > 1 and not ranked:
+        raise UnsupportedValueError(
+            f"{where}: a DTensor spread over {mesh.size()} ranks needs a writer that saves "
+            "with every rank (process_group=None after init_process_group), not one "
+            "that saves alone"
+        )
+    shape = tuple(tensor.shape)
+    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    local = tensor.to_local()
+    coordinate = mesh.get_coordinate()
+    written = coordinate is not None and _replica(mesh, placements, coordinate) == (
+        ordinal % _replicas(mesh, placements)
+    )
+    if tuple(local.shape) != tuple(local_shape):
+        raise UnsupportedValueError(
+            f"{where}: the DTensor's local shard has shape {tuple(local.shape)}, its placements "
+            f"give {tuple(local_shape)}; uneven or strided shards are not supported"
+        )
+    return LocalShard(local, shape, tuple(offsets), written)
+
+
+def _replicas(mesh: Any, placements: Sequence[Any]) -> int:
+    """How many ranks hold each shard (the product of the Replicate dimensions' sizes)."""
+    return math.prod(mesh.size(d) for d, p in enumerate(placements) if p.is_replicate())
+
+
+def _replica(mesh: Any, placements: Sequence[Any], coordinate: Sequence[int]) -> int:
+    """Which replica of its shard this rank holds: its index along the Replicate dims."""
+    index = 0
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            index = index * mesh.size(dim) + coordinate[dim]
+    return index
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` cover, or None if they do not overlap."""
+    offsets, shape = [], []
+    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
+        begin, end = max(ao, bo), min(ao + an, bo + bn)
+        if end <= begin:
+            return None
+        offsets.append(begin)
+        shape.append(end - begin)
+    return tuple(offsets), tuple(shape)
+
+
+def as_template(
+    name: str,
+    template: Any,
+    plain: torch.Tensor | None,
+    sharded: Any,
+    region: Callable[[str, Any, Box], torch.Tensor],
+) -> Any:
+    """The stored tensor ``name`` as a DTensor placed like the live DTensor ``template``:
+    only this rank's part, read by ``region`` from a sharded tensor, or sliced out of a
+    whole ``plain`` one. Raises RestoreMismatchError if the global shapes differ."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    stored = tuple(sharded.shape) if sharded is not None else tuple(plain.shape)  # type: ignore[union-attr]
+    if stored != tuple(template.shape):
+        raise RestoreMismatchError(
+            f"tensor {name!r}: stored shape {list(stored)}, the target's {list(template.shape)}"
+        )
+    mesh, placements = template.device_mesh, tuple(template.placements)
+    local_shape, offsets = compute_local_shape_and_global_offset(template.shape, mesh, placements)
+    box: Box = (tuple(offsets), tuple(local_shape))
+    if sharded is not None:
+        local = region(name, sharded, box)
+    else:
+        assert plain is not None
+        local = plain[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].clone()
+    return DTensor.from_local(
+        local.to(template.device),
+        mesh,
+        placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )

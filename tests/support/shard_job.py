@@ -1,0 +1,127 @@
+"""One rank of a sharded (DTensor) job for the resharding tests, run as a subprocess.
+
+    python -m tests.support.shard_job ACTION MODE ROOT OUT RANK WORLD PORT
+
+ACTION ``save`` builds a small MLP, shards it by MODE, trains two steps and saves
+step 1 with a CheckpointWriter of the default group; ``restore`` builds the same
+model from another seed, shards it by MODE on this world size and restores it.
+Either way rank 0 then writes OUT/{ACTION}.pt: the full model and optimizer state
+by parameter name (gathered by torch.distributed.checkpoint.state_dict, not by
+checkpointd), and every rank writes OUT/rank{RANK}.json (``ok``, ``error``,
+``message``, ``blocked``: seconds save() blocked). MODE: ``fsdp2`` (fully_shard
+on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
+``tp`` (ColwiseParallel/RowwiseParallel), ``ddp``, ``plain`` (no process group;
+WORLD must be 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import checkpointd
+
+DIMS = (16, 24, 10)  # 24 and 10 split unevenly over 3 and 4 ranks
+
+
+def build(mode: str, world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The MLP sharded by ``mode`` and an AdamW over it."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.ReLU(), torch.nn.Linear(DIMS[1], DIMS[2])
+    )
+    if mode in ("fsdp2", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if mode == "fsdp2":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    elif mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return model, optimizer
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        batch = torch.randn(8, DIMS[0], generator=generator)
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state with whole tensors, by parameter name (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optimizer": optim_state["state"]}
+
+
+def main() -> None:
+    action, mode, root, out, rank_s, world_s, port = sys.argv[1:]
+    rank, world = int(rank_s), int(world_s)
+    if mode != "plain":
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    result: dict[str, Any] = {"ok": False, "error": None, "message": "", "blocked": 0.0}
+    try:
+        if action == "save":
+            model, optimizer = build(mode, world, seed=0)
+            train(model, optimizer, 2)
+            with checkpointd.CheckpointWriter(root) as writer:
+                started = time.perf_counter()
+                handle = writer.save(
+                    1, {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
+                )
+                result["blocked"] = time.perf_counter() - started
+                handle.result()
+        else:
+            model, optimizer = build(mode, world, seed=1)
+            checkpointd.restore(root, {"model": model, "optimizer": optimizer, "progress": {}})
+        state = full_state(model, optimizer) if mode != "plain" else _plain_state(model, optimizer)
+        result["ok"] = True
+        if rank == 0:
+            torch.save(state, os.path.join(out, f"{action}.pt"))
+    except checkpointd.CheckpointError as exc:
+        result["error"] = type(exc).__name__
+        result["message"] = str(exc)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if mode != "plain":
+        dist.destroy_process_group()
+
+
+def _plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state["state"]}
+
+
+if __name__ == "__main__":
+    main()
