@@ -22,7 +22,14 @@ from checkpointd.errors import RestoreMismatchError, UnsupportedValueError
 from checkpointd.shards import is_dtensor
 from checkpointd.stateful import unwrap
 
-__all__ = ["by_parameter_name", "is_by_name", "load_by_name", "named_template", "owner"]
+__all__ = [
+    "by_parameter_name",
+    "is_by_name",
+    "load_by_name",
+    "named_template",
+    "owner",
+    "templates",
+]
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -48,8 +55,6 @@ def by_parameter_name(state: Mapping[str, Any], *, ranked: bool) -> dict[str, An
     """``state`` with each optimizer stored by parameter name where that applies (a
     many-rank save, or DTensor parameters). Raises UnsupportedValueError for an optimizer
     of DTensors whose model is not in ``state``. Caller thread, before capture."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     out = dict(state)
     for name, value in state.items():
         if not isinstance(value, torch.optim.Optimizer) or not (ranked or sharded(value)):
@@ -62,6 +67,8 @@ def by_parameter_name(state: Mapping[str, Any], *, ranked: bool) -> dict[str, An
                     "save the model that holds its parameters in the same state"
                 )
             continue
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         out[name] = get_optimizer_state_dict(model, value)
     return out
 
@@ -92,6 +99,34 @@ def named_template(name: str, optimizer: torch.optim.Optimizer, targets: Mapping
             "restore the model that holds its parameters in the same call"
         )
     return get_optimizer_state_dict(model, optimizer)
+
+
+def _names_by_index(template: Any) -> list[str]:
+    """Parameter names in the order an optimizer's own state_dict numbers them."""
+    return [p for group in template["param_groups"] for p in group["params"]]
+
+
+def templates(name: str, optimizer: torch.optim.Optimizer, targets: Mapping[str, Any]) -> Any:
+    """The live DTensors of an optimizer of DTensors by tensor name, under both the names
+    of a state stored by parameter name and those of one stored by index (a plain single
+    process's checkpoint, which the optimizer's own load_state_dict then takes). Empty for
+    an optimizer of plain tensors."""
+    from checkpointd.tree import walk
+
+    template = named_template(name, optimizer, targets)
+    if template is None:
+        return {}
+    found = {"/".join(path): leaf for path, leaf in walk(template) if is_dtensor(leaf)}
+    for index, param in enumerate(_names_by_index(template)):
+        prefix = f"state/{param}/"
+        found.update(
+            {
+                f"state/{index}/{key.removeprefix(prefix)}": leaf
+                for key, leaf in list(found.items())
+                if key.startswith(prefix)
+            }
+        )
+    return found
 
 
 def load_by_name(

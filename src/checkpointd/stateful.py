@@ -116,12 +116,12 @@ def component_state(value: Any, name: str) -> Any:
 
 def dtensor_templates(name: str, target: Any, targets: Mapping[str, Any]) -> dict[str, Any]:
     """The live DTensors of a target by tensor name (the names capture gives them): what
-    restore reads only this rank's part of. Empty unless torch.distributed is in use."""
-    import sys
+    restore reads only this rank's part of. Empty unless torch.distributed is initialized."""
+    import torch.distributed as dist
 
-    if "torch.distributed" not in sys.modules:
+    if not dist.is_available() or not dist.is_initialized():
         return {}
-    from checkpointd.optimizers import named_template
+    from checkpointd.optimizers import templates
     from checkpointd.shards import is_dtensor
     from checkpointd.tree import walk
 
@@ -129,8 +129,9 @@ def dtensor_templates(name: str, target: Any, targets: Mapping[str, Any]) -> dic
     if is_dtensor(live):
         return {"tensor": live}
     if isinstance(live, torch.optim.Optimizer):
-        tree = named_template(name, live, targets)
-    elif is_stateful(live) and not is_random_generator(live):
+        found: dict[str, Any] = templates(name, live, targets)
+        return found
+    if is_stateful(live) and not is_random_generator(live):
         tree = live.state_dict()
     else:
         return {}

@@ -222,7 +222,7 @@ class WriterBase:
         created_at = datetime.now(UTC)
         group = self._ranks
         captured, per_rank = split_state(state, None if group is None else group.rank)
-        if group is not None or "torch.distributed" in sys.modules:
+        if group is not None or _distributed():
             from checkpointd.optimizers import by_parameter_name
 
             captured = by_parameter_name(captured, ranked=group is not None)
@@ -268,6 +268,13 @@ class WriterBase:
         return restore(
             self.root, targets, step, storage_options=self.storage_options, strict=strict
         )
+
+
+def _distributed() -> bool:
+    """True if torch.distributed is initialized (DTensors may be in the state)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _group(process_group: Any) -> Group | None:

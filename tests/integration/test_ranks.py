@@ -7,11 +7,6 @@ rank saw from its report.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,61 +18,17 @@ import checkpointd
 from checkpointd import catalog
 from checkpointd.manifest import SCHEMA_VERSION, Manifest, decode_manifest, encode_manifest
 from checkpointd.storage import open_store
+from tests.support.launch import run_ranks
 from tests.support.rank_job import Position, replicated_state
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_job(
     scenario: str, root: Path, out: Path, world: int = 2, step: int = 1
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Any] | None]:
     """Run ``world`` ranks of ``scenario``; return each rank's report (None if it wrote none)."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    logs = [(out / f"stderr{rank}.txt").open("wb") for rank in range(world)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.support.rank_job",
-                scenario,
-                str(root),
-                str(out),
-                str(rank),
-                str(world),
-                str(port),
-                str(step),
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=logs[rank],
-        )
-        for rank in range(world)
-    ]
-    try:
-        for proc in procs:
-            proc.wait(timeout=90)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    reports = []
-    for rank in range(world):
-        path = out / f"rank{rank}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else None)
-    return reports
+    return run_ranks(
+        "tests.support.rank_job", [scenario, str(root), str(out), str(step)], out, world
+    )
 
 
 def _seen(reports: list[dict[str, Any] | None], rank: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """One rank of a small multi-rank job for the many-ranks tests, run as a subprocess.
 
-    python -m tests.support.rank_job SCENARIO ROOT OUT RANK WORLD PORT [STEP]
+    python -m tests.support.rank_job SCENARIO ROOT OUT STEP RANK WORLD PORT
 
 Joins a gloo group through a TCP store on 127.0.0.1:PORT (rank 0 hosts it), makes a CheckpointWriter on the default
 group and plays SCENARIO (see ``SCENARIOS``); writes what happened on this rank
@@ -70,9 +70,8 @@ def _die_while_writing(*args: Any) -> Any:
 
 
 def main() -> None:
-    scenario, root, out, rank_s, world_s, port, *rest = sys.argv[1:]
-    rank, world = int(rank_s), int(world_s)
-    step = int(rest[0]) if rest else 1
+    scenario, root, out, step_s, rank_s, world_s, port = sys.argv[1:]
+    rank, world, step = int(rank_s), int(world_s), int(step_s)
     tunables.HEARTBEAT_SECONDS = 0.2
     tunables.STALE_SECONDS = 2.0
     tunables.JOIN_SECONDS = 3.0

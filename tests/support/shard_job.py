@@ -7,15 +7,20 @@ step 1 with a CheckpointWriter of the default group; ``restore`` builds the same
 model from another seed, shards it by MODE on this world size and restores it.
 Either way rank 0 then writes OUT/{ACTION}.pt: the full model and optimizer state
 by parameter name (gathered by torch.distributed.checkpoint.state_dict, not by
-checkpointd), and every rank writes OUT/rank{RANK}.json (``ok``, ``error``,
+checkpointd), and OUT/{ACTION}_next.pt: the same after one more training step;
+every rank writes OUT/rank{RANK}.json (``ok``, ``error``,
 ``message``, ``blocked``: seconds save() blocked). MODE: ``fsdp2`` (fully_shard
 on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
 ``tp`` (ColwiseParallel/RowwiseParallel), ``ddp``, ``plain`` (no process group;
-WORLD must be 1).
+WORLD must be 1). ACTION ``local`` saves a sharded model with a writer made with
+process_group=checkpointd.LOCAL (refused). Environment: CHECKPOINTD_TEST_OPTIONS
+(JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
+save). Reports also carry ``shard_bytes_read``: bytes this rank read from shard files.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -26,6 +31,9 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
+from checkpointd import tunables
+from checkpointd.storage.fsspec import FsspecStore
+from checkpointd.storage.local import LocalStore
 
 DIMS = (16, 24, 10)  # 24 and 10 split unevenly over 3 and 4 ranks
 
@@ -78,22 +86,47 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
     options = StateDictOptions(full_state_dict=True)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    return {"model": model_state, "optimizer": optim_state["state"]}
+    # copies: tensors that are not gathered (the step counters) are the live ones
+    return copy.deepcopy({"model": model_state, "optimizer": optim_state["state"]})
+
+
+def count_shard_reads(result: dict[str, Any]) -> None:
+    """Add the bytes every store reads from shard files (``*.rankR.safetensors``) to
+    ``result["shard_bytes_read"]``."""
+    result["shard_bytes_read"] = 0
+    for cls in (LocalStore, FsspecStore):
+        original = cls.read_into
+
+        def read_into(
+            self: Any, path: str, buffer: memoryview, offset: int = 0, _original: Any = original
+        ) -> None:
+            if ".rank" in path:
+                result["shard_bytes_read"] += buffer.nbytes
+            _original(self, path, buffer, offset)
+
+        cls.read_into = read_into  # type: ignore[method-assign]
 
 
 def main() -> None:
     action, mode, root, out, rank_s, world_s, port = sys.argv[1:]
     rank, world = int(rank_s), int(world_s)
+    options = json.loads(os.environ.get("CHECKPOINTD_TEST_OPTIONS", "null"))
+    if "CHECKPOINTD_TEST_BLOCK" in os.environ:
+        tunables.SHARD_BLOCK_BYTES = int(os.environ["CHECKPOINTD_TEST_BLOCK"])
     if mode != "plain":
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
     result: dict[str, Any] = {"ok": False, "error": None, "message": "", "blocked": 0.0}
+    count_shard_reads(result)
     try:
-        if action == "save":
+        if action in ("save", "local"):
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
-            with checkpointd.CheckpointWriter(root) as writer:
+            group = checkpointd.LOCAL if action == "local" else None
+            with checkpointd.CheckpointWriter(
+                root, process_group=group, storage_options=options
+            ) as writer:
                 started = time.perf_counter()
                 handle = writer.save(
                     1, {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
@@ -102,11 +135,16 @@ def main() -> None:
                 handle.result()
         else:
             model, optimizer = build(mode, world, seed=1)
-            checkpointd.restore(root, {"model": model, "optimizer": optimizer, "progress": {}})
-        state = full_state(model, optimizer) if mode != "plain" else _plain_state(model, optimizer)
+            targets = {"model": model, "optimizer": optimizer, "progress": {}}
+            checkpointd.restore(root, targets, storage_options=options)
+        gather = full_state if mode != "plain" else _plain_state
+        state = gather(model, optimizer)
+        train(model, optimizer, 1)  # the restored optimizer must work, not only load
+        after = gather(model, optimizer)
         result["ok"] = True
         if rank == 0:
             torch.save(state, os.path.join(out, f"{action}.pt"))
+            torch.save(after, os.path.join(out, f"{action}_next.pt"))
     except checkpointd.CheckpointError as exc:
         result["error"] = type(exc).__name__
         result["message"] = str(exc)
@@ -120,7 +158,8 @@ def _plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optim_state["state"]}
+    # copies: these tensors are the live ones, which the next training step changes
+    return copy.deepcopy({"model": model_state, "optimizer": optim_state["state"]})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""Sharded state (DTensor) on many ranks: FSDP2, HSDP, tensor parallel and DDP jobs of
+2-4 real gloo ranks (tests/support/shard_job.py) save, then restore on another world
+size and sharding. Each restore must give back the saved state bit for bit (both
+gathered to whole tensors by torch.distributed.checkpoint.state_dict), and the restored
+optimizer must train on: one more step lands where the saving job's next step did.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import checkpointd
+from checkpointd import catalog
+from checkpointd.errors import CorruptCheckpointError
+from checkpointd.reader import verify_step
+from checkpointd.storage import open_store
+from tests.support.launch import run_ranks
+from tests.support.s3 import MotoS3
+
+BLOCK = 256  # shard block size at save: small, so partial reads show on a small model
+
+
+def job(action: str, mode: str, root: str, out: Path, world: int, **env: str) -> Path:
+    """Run the ranks of one shard_job and check every rank finished; returns ``out``."""
+    reports = run_ranks(
+        "tests.support.shard_job",
+        [action, mode, root, str(out)],
+        out,
+        world,
+        env={"CHECKPOINTD_TEST_BLOCK": str(BLOCK), **env},
+    )
+    for rank, report in enumerate(reports):
+        assert report is not None, (out / f"stderr{rank}.txt").read_text()[-3000:]
+        assert report["ok"], report
+    return out
+
+
+def same(saved: Any, restored: Any, *, exact: bool = True, path: str = "") -> None:
+    """Assert two state trees are equal: bit for bit, or (``exact=False``) within float noise
+    (a step on another world size reduces gradients in another order)."""
+    if isinstance(saved, dict):
+        assert saved.keys() == restored.keys(), path
+        for key in saved:
+            same(saved[key], restored[key], exact=exact, path=f"{path}/{key}")
+    elif isinstance(saved, torch.Tensor):
+        assert saved.dtype == restored.dtype, path
+        assert saved.shape == restored.shape, path
+        if exact:
+            assert torch.equal(saved, restored), path
+        else:
+            assert torch.allclose(saved, restored, rtol=1e-4, atol=1e-6), path
+    else:
+        assert saved == restored, path
+
+
+def check_restored(saved: Path, restored: Path) -> None:
+    same(torch.load(saved / "save.pt"), torch.load(restored / "restore.pt"))
+    same(torch.load(saved / "save_next.pt"), torch.load(restored / "restore_next.pt"), exact=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_on_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A checkpoint saved by an FSDP2 job of 2 ranks: (root, the job's output folder)."""
+    base = tmp_path_factory.mktemp("fsdp2_on_2")
+    root = str(base / "root")
+    return root, job("save", "fsdp2", root, base / "save", 2)
+
+
+def test_fsdp2_on_2_restores_on_3_reading_only_the_overlapping_blocks(
+    fsdp2_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    root, saved = fsdp2_on_2
+    out = job("restore", "fsdp2", root, tmp_path / "restore", 3)
+    check_restored(saved, out)
+    manifest = catalog.read_manifest(open_store(root), 1)
+    assert manifest.schema_version == 2
+    assert manifest.world_size == 2
+    shard_files = [f for f in manifest.files if ".rank" in f.path]
+    assert sorted({f.rank for f in shard_files}) == [0, 1]
+    stored = sum(f.size for f in shard_files)
+    for rank in range(3):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        # A third of the shards plus whole blocks at the edges, never all of them.
+        assert 0 < report["shard_bytes_read"] < 0.6 * stored, report
+
+
+def test_fsdp2_on_2_loads_whole_in_one_plain_process(fsdp2_on_2: tuple[str, Path]) -> None:
+    root, saved = fsdp2_on_2
+    checkpoint = checkpointd.load(root)
+    expected = torch.load(saved / "save.pt")
+    same(expected["model"], checkpoint.state["model"])
+    same(expected["optimizer"], checkpoint.state["optimizer"]["state"])
+    assert checkpoint.state["progress"] == {"epoch": 3}
+
+
+def test_fsdp2_on_2_restores_into_a_plain_process(
+    fsdp2_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    root, saved = fsdp2_on_2
+    check_restored(saved, job("restore", "plain", root, tmp_path / "restore", 1))
+
+
+def test_a_damaged_shard_block_fails_load_and_verify(
+    fsdp2_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(fsdp2_on_2[0], root)
+    manifest = catalog.read_manifest(open_store(str(root)), 1)
+    shard = manifest.components["model"].sharded["0.weight"].shards[1]
+    path = root / "000000000001" / shard.file
+    data = bytearray(path.read_bytes())
+    data[shard.begin + 300] ^= 0x01  # in block 1 of the shard
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="block 1 of the shard at"):
+        checkpointd.load(str(root), step=1)
+    bad = verify_step(open_store(str(root)), 1, manifest)
+    assert len(bad) == 1
+    assert shard.file in bad[0]
+    assert "CRC32C" in bad[0]
+
+
+def test_fsdp2_on_3_restores_on_2(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "fsdp2", root, tmp_path / "save", 3)
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 2))
+
+
+def test_a_plain_process_checkpoint_restores_into_fsdp2_on_2(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "plain", root, tmp_path / "save", 1)
+    assert catalog.read_manifest(open_store(root), 1).schema_version == 1
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 2))
+
+
+def test_hsdp_on_4_writes_each_shard_once_and_restores_into_fsdp2_on_2(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "hsdp", root, tmp_path / "save", 4)
+    manifest = catalog.read_manifest(open_store(root), 1)
+    for component in ("model", "optimizer"):
+        for name, tensor in manifest.components[component].sharded.items():
+            # Shard(0) over 2 ranks, replicated twice: two shards, not four.
+            assert len(tensor.shards) == 2, name
+    writers = {f.rank for f in manifest.files if ".rank" in f.path}
+    assert writers == {0, 1, 2, 3}  # the replicas share the writing
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 2))
+
+
+def test_tensor_parallel_on_2_restores_into_fsdp2_on_3(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "tp", root, tmp_path / "save", 2)
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 3))
+
+
+def test_ddp_on_2_restores_into_a_plain_process(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "ddp", root, tmp_path / "save", 2)
+    check_restored(saved, job("restore", "plain", root, tmp_path / "restore", 1))
+
+
+def test_a_writer_saving_alone_refuses_a_dtensor_spread_over_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    reports = run_ranks(
+        "tests.support.shard_job", ["local", "fsdp2", str(tmp_path / "root"), str(out)], out, 2
+    )
+    for report in reports:
+        assert report is not None
+        assert report["error"] == "UnsupportedValueError", report
+        assert "spread over 2 ranks" in report["message"]
+    assert checkpointd.list_checkpoints(str(tmp_path / "root")) == []
+
+
+def test_fsdp2_on_2_saves_to_s3_and_restores_on_3(moto_s3: MotoS3, tmp_path: Path) -> None:
+    bucket = f"sharded-{tmp_path.name[-20:].lower().replace('_', '-')}"
+    moto_s3.create_bucket(bucket)
+    root = f"s3://{bucket}/run"
+    options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
+    saved = job("save", "fsdp2", root, tmp_path / "save", 2, **options)
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 3, **options))
