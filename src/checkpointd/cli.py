@@ -173,6 +173,20 @@ def _spec_line(entry: dict[str, Any]) -> str:
     return f"{entry['kind']} {entry['module']}.{entry['qualname']}({', '.join(shown)}){over}"
 
 
+def _shards_line(shards: list[dict[str, Any]] | None) -> str:
+    """``  2 shards: rank 0 [0:12], rank 1 [12:24]`` for a sharded tensor, else ""."""
+    if not shards:
+        return ""
+    shown = [
+        f"rank {s['rank']} ["
+        + ", ".join(f"{o}:{o + n}" for o, n in zip(s["offsets"], s["shape"], strict=True))
+        + "]"
+        for s in shards[:4]
+    ]
+    more = f", ... ({len(shards) - 4} more)" if len(shards) > 4 else ""
+    return f"  {len(shards)} shard{'' if len(shards) == 1 else 's'}: {', '.join(shown)}{more}"
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from checkpointd.describe import describe
 
@@ -202,11 +216,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {'name':<{width}}  {'dtype':<9}  {'shape':<14}  {'bytes':>10}")
         for t in tensors:
             shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-            print(f"  {t['name']:<{width}}  {t['dtype']:<9}  {shape:<14}  {t['nbytes']:>10}")
+            shards = _shards_line(t.get("shards"))
+            print(
+                f"  {t['name']:<{width}}  {t['dtype']:<9}  {shape:<14}  {t['nbytes']:>10}{shards}"
+            )
     print("\nfiles")
     width = max(4, *(len(f["path"]) for f in info["files"]))
     for f in info["files"]:
-        print(f"  {f['path']:<{width}}  {f['size']:>10}  crc32c {f['crc32c']}")
+        rank = f"  rank {f['rank']}" if info["world_size"] > 1 else ""
+        print(f"  {f['path']:<{width}}  {f['size']:>10}  crc32c {f['crc32c']}{rank}")
     return 0
 
 

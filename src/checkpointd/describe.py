@@ -1,11 +1,13 @@
 """What ``checkpointd inspect`` shows, as JSON-able data: manifest, tensor headers, files.
 
-Reads the manifest and each tensor file's header, never tensor data. Blocking;
-any thread.
+Reads the manifest and each tensor file's header, never tensor data; a sharded
+tensor (many ranks) shows its global shape and each shard's rank, offsets and
+shape. Blocking; any thread.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -15,6 +17,14 @@ from checkpointd.reader import StepReader
 from checkpointd.storage import Store
 
 __all__ = ["describe"]
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a stored dtype name (0 if unknown)."""
+    import torch
+
+    found = getattr(torch, dtype, None)
+    return found.itemsize if isinstance(found, torch.dtype) else 0
 
 
 def describe(store: Store, step: int | None = None) -> dict[str, Any]:
@@ -39,10 +49,30 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
                 }
                 for e in sorted(reader.header(tensor_file), key=lambda e: e.begin)
             )
+        rank_of = {f.path: f.rank for f in manifest.files}
+        for tensor, sharded in entry.sharded.items():
+            elements = sum(math.prod(s.shape) for s in sharded.shards)
+            tensors.append(
+                {
+                    "name": tensor,
+                    "dtype": sharded.dtype,
+                    "shape": list(sharded.shape),
+                    "nbytes": elements * _itemsize(sharded.dtype),
+                    "shards": [
+                        {
+                            "file": s.file,
+                            "rank": rank_of.get(s.file, 0),
+                            "offsets": list(s.offsets),
+                            "shape": list(s.shape),
+                        }
+                        for s in sharded.shards
+                    ],
+                }
+            )
         components[name] = {
             "tree": entry.tree,
             "tensor_files": list(entry.tensors),
-            "nbytes": entry.nbytes,
+            "nbytes": entry.nbytes + sum(t["nbytes"] for t in tensors if "shards" in t),
             "tensors": tensors,
         }
     return {
@@ -57,7 +87,9 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         "metadata": manifest.metadata,
         "specs": {name: msgspec.to_builtins(entry) for name, entry in manifest.specs.items()},
         "components": components,
+        "per_rank": manifest.per_rank,
         "files": [
-            {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}"} for f in manifest.files
+            {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank}
+            for f in manifest.files
         ],
     }

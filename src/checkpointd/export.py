@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from checkpointd.errors import InvalidArgumentError
 from checkpointd.restore import load
 from checkpointd.tree import alias_key, flatten
 
@@ -65,11 +66,11 @@ def export_component(
 
     ``target`` ending in .safetensors: every tensor and array of the tree under
     its dotted path (ValueError if two paths give the same name); .pt:
-    ``torch.save`` of the whole tree. Any other suffix is a ValueError.
+    ``torch.save`` of the whole tree. Any other suffix is an InvalidArgumentError.
     """
     kind = os.path.splitext(target)[1].lower()
     if kind not in (".safetensors", ".pt"):
-        raise ValueError(f"--to {target}: the file name must end in .safetensors or .pt")
+        raise InvalidArgumentError(f"--to {target}: the file name must end in .safetensors or .pt")
     checkpoint = load(root, step, components=[component], storage_options=storage_options)
     tree = checkpoint.state[component]
     folder = os.path.dirname(os.path.abspath(target))
@@ -97,7 +98,7 @@ HF_SHARD_BYTES = 5 * 2**30
 def _fresh_folder(target: str) -> str:
     """A temporary folder beside ``target`` (which must not exist yet)."""
     if os.path.exists(target):
-        raise ValueError(f"--to {target}: already exists; export writes a new folder")
+        raise InvalidArgumentError(f"--to {target}: already exists; export writes a new folder")
     parent = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(parent, exist_ok=True)
     temp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{os.getpid()}")

@@ -8,7 +8,10 @@ optimizer must train on: one more step lands where the saving job's next step di
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from checkpointd import catalog
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.reader import verify_step
 from checkpointd.storage import open_store
-from tests.support.launch import run_ranks
+from tests.support.launch import REPO, run_ranks
 from tests.support.s3 import MotoS3
 
 BLOCK = 256  # shard block size at save: small, so partial reads show on a small model
@@ -182,3 +185,34 @@ def test_fsdp2_on_2_saves_to_s3_and_restores_on_3(moto_s3: MotoS3, tmp_path: Pat
     options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
     saved = job("save", "fsdp2", root, tmp_path / "save", 2, **options)
     check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 3, **options))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "checkpointd", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_inspect_verify_and_export_a_sharded_checkpoint(
+    fsdp2_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    root, saved = fsdp2_on_2
+    shown = _cli("inspect", root)
+    assert shown.returncode == 0, shown.stderr
+    assert "world size 2" in shown.stdout
+    assert "[24, 16]" in shown.stdout
+    assert "2 shards: rank 0 [0:12, 0:16], rank 1 [12:24, 0:16]" in shown.stdout
+    checked = _cli("verify", root)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    target = tmp_path / "model.safetensors"
+    exported = _cli("export", root, "--component", "model", "--to", str(target))
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    same(torch.load(saved / "save.pt")["model"], load_file(str(target)))
