@@ -298,7 +298,7 @@ class _Walker:
         if key in self._aliases:
             return self._aliases[key]
         where = self._where(path)
-        shard = local_shard(tensor.detach(), len(self.shards), self.ranked, where)
+        shard = local_shard(tensor, len(self.shards), self.ranked, where)
         check_storable(tensor.dtype, where)
         name = self._unique_name(path)
         self._aliases[key] = name

@@ -173,11 +173,16 @@ class StepReader:
         from checkpointd.shards import intersect
 
         dtype = dtype_by_name(sharded.dtype, f"{self.where}: tensor {name!r}")
+        parts = [
+            (shard, part)
+            for shard in sharded.shards
+            if (part := intersect((tuple(shard.offsets), tuple(shard.shape)), box)) is not None
+            and 0 not in part[1]
+        ]
+        if len(parts) == 1 and parts[0][1] == box:
+            return self._shard_part(parts[0][0], dtype, box)  # one shard holds it: no copy
         out = torch.empty(box[1], dtype=dtype)
-        for shard in sharded.shards:
-            part = intersect((tuple(shard.offsets), tuple(shard.shape)), box)
-            if part is None or 0 in part[1]:
-                continue
+        for shard, part in parts:
             where = tuple(
                 slice(o - b, o - b + n) for o, n, b in zip(part[0], part[1], box[0], strict=True)
             )

@@ -10,6 +10,7 @@ when a DTensor is met.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,8 +47,6 @@ def local_shard(tensor: Any, ordinal: int, ranked: bool, where: str) -> LocalSha
     component. ``ranked``: the writer saves with every rank of the job; a DTensor
     spread over several ranks cannot be saved by a writer that saves alone.
     Caller thread. Raises UnsupportedValueError for placements it cannot store."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     for placement in placements:
         if placement.is_partial():
@@ -69,18 +68,30 @@ def local_shard(tensor: Any, ordinal: int, ranked: bool, where: str) -> LocalSha
             "that saves alone"
         )
     shape = tuple(tensor.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    local = tensor.to_local()
-    coordinate = mesh.get_coordinate()
-    written = coordinate is not None and _replica(mesh, placements, coordinate) == (
-        ordinal % _replicas(mesh, placements)
-    )
+    local_shape, offsets, replica, replicas = _placement(shape, mesh, placements)
+    local = tensor.to_local().detach()
+    written = replica is not None and replica == ordinal % replicas
     if tuple(local.shape) != tuple(local_shape):
         raise UnsupportedValueError(
             f"{where}: the DTensor's local shard has shape {tuple(local.shape)}, its placements "
             f"give {tuple(local_shape)}; uneven or strided shards are not supported"
         )
-    return LocalShard(local, shape, tuple(offsets), written)
+    return LocalShard(local, shape, offsets, written)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None, int]:
+    """This rank's (local shape, offsets, replica index or None if outside the mesh,
+    replica count) for a DTensor of ``shape`` placed so; cached, as the same few
+    placements repeat for every parameter and every save."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    replica = None if coordinate is None else _replica(mesh, placements, coordinate)
+    return tuple(local_shape), tuple(offsets), replica, _replicas(mesh, placements)
 
 
 def _replicas(mesh: Any, placements: Sequence[Any]) -> int:
@@ -120,7 +131,6 @@ def as_template(
     only this rank's part, read by ``region`` from a sharded tensor, or sliced out of a
     whole ``plain`` one. Raises RestoreMismatchError if the global shapes differ."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     stored = tuple(sharded.shape) if sharded is not None else tuple(plain.shape)  # type: ignore[union-attr]
     if stored != tuple(template.shape):
@@ -128,8 +138,8 @@ def as_template(
             f"tensor {name!r}: stored shape {list(stored)}, the target's {list(template.shape)}"
         )
     mesh, placements = template.device_mesh, tuple(template.placements)
-    local_shape, offsets = compute_local_shape_and_global_offset(template.shape, mesh, placements)
-    box: Box = (tuple(offsets), tuple(local_shape))
+    local_shape, offsets, _, _ = _placement(tuple(template.shape), mesh, placements)
+    box: Box = (offsets, local_shape)
     if sharded is not None:
         local = region(name, sharded, box)
     else:
