@@ -119,6 +119,18 @@ def test_rank_0_killed_while_writing_fails_the_others_typed(tmp_path: Path) -> N
     assert _published(tmp_path / "root") == []
 
 
+def test_the_publisher_killed_during_the_commit_wait_publishes_nothing(tmp_path: Path) -> None:
+    reports = run_job("killed0_publishing", tmp_path / "root", tmp_path / "out")
+    assert reports[0] is None
+    report = _seen(reports, 1)
+    assert report["error"] == "RankFailedError"
+    assert report["seconds"] < 60
+    assert _published(tmp_path / "root") == []
+    again = run_job("replicated", tmp_path / "root", tmp_path / "again")
+    assert [r and r["ok"] for r in again] == [True, True], again
+    assert _published(tmp_path / "root") == [1]
+
+
 def test_a_save_only_rank_0_joins_fails_naming_the_missing_rank(tmp_path: Path) -> None:
     reports = run_job("rank0_only", tmp_path / "root", tmp_path / "out")
     report = _seen(reports, 0)

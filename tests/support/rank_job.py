@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
-from checkpointd import commit, tunables
+from checkpointd import commit, rankcommit, tunables
 
-SCENARIOS = ("replicated", "mismatch", "full_disk", "killed", "killed0", "rank0_only")
+SCENARIOS = (
+    "replicated",
+    "mismatch",
+    "full_disk",
+    "killed",
+    "killed0",
+    "killed0_publishing",
+    "rank0_only",
+)
 
 
 def replicated_state(rank: int, scenario: str) -> dict[str, Any]:
@@ -85,6 +93,9 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
     if (scenario, rank) in {("killed", 1), ("killed0", 0)}:
         commit._stream_file = _die_while_writing  # type: ignore[assignment]
+    if (scenario, rank) == ("killed0_publishing", 0):
+        # every rank's files are durable; rank 1 waits for the outcome
+        rankcommit.publish_manifest = _die_while_writing  # type: ignore[assignment]
     if scenario == "replicated":
         state["loader"] = checkpointd.PerRank(Position(10 * rank + 7))
         state["rng"] = checkpointd.RNGState()
