@@ -95,3 +95,20 @@ def test_intersect_boxes() -> None:
     assert intersect(((0, 0), (4, 6)), ((2, 3), (4, 4))) == ((2, 3), (2, 3))
     assert intersect(((0,), (4,)), ((4,), (2,))) is None
     assert intersect(((), ()), ((), ())) == ((), ())
+
+
+def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
+    from checkpointd.errors import RankFailedError
+    from checkpointd.rankcommit import _merge_shards, _Share
+
+    def share(*shards: ShardEntry, dtype: str = "float32") -> _Share:
+        return _Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
+
+    entry = ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor()})
+    top, bottom = shard([0, 0], [2, 6]), shard([2, 0], [2, 6], file="m.t.rank1.safetensors")
+    merged = _merge_shards(1, "m", entry, [share(top), share(bottom)])
+    assert [s.offsets for s in merged.sharded["w"].shards] == [[0, 0], [2, 0]]
+    with pytest.raises(RankFailedError, match="do not tile"):
+        _merge_shards(1, "m", entry, [share(top), share(top)])
+    with pytest.raises(RankFailedError, match="disagree on DTensor m/w"):
+        _merge_shards(1, "m", entry, [share(top), share(bottom, dtype="bfloat16")])
