@@ -227,6 +227,11 @@ class WriterBase:
 
             captured = by_parameter_name(captured, ranked=group is not None)
         components = capture(captured, buffer, ranked=group is not None)
+        if held := [c.name for c in components if c.shards and c.name in per_rank]:
+            raise UnsupportedValueError(
+                f"per-rank components {[per_rank[n] for n in held]} hold DTensors: save "
+                "DTensors in ordinary components (each rank's shards are stored as its own)"
+            )
         attempt = 0 if group is None else group.attempt(step)
         return Snapshot(
             step,

@@ -166,15 +166,20 @@ def test_ddp_on_2_restores_into_a_plain_process(tmp_path: Path) -> None:
     check_restored(saved, job("restore", "plain", root, tmp_path / "restore", 1))
 
 
-def test_a_writer_saving_alone_refuses_a_dtensor_spread_over_ranks(tmp_path: Path) -> None:
+def test_saves_that_cannot_hold_a_sharded_model_are_refused_at_save(tmp_path: Path) -> None:
     out = tmp_path / "out"
     reports = run_ranks(
-        "tests.support.shard_job", ["local", "fsdp2", str(tmp_path / "root"), str(out)], out, 2
+        "tests.support.shard_job", ["refused", "fsdp2", str(tmp_path / "root"), str(out)], out, 2
     )
     for report in reports:
         assert report is not None
-        assert report["error"] == "UnsupportedValueError", report
-        assert "spread over 2 ranks" in report["message"]
+        assert report["ok"], report
+        # a writer that saves alone would store half of each tensor
+        assert report["local"][0] == "UnsupportedValueError"
+        assert "spread over 2 ranks" in report["local"][1]
+        # PerRank state is this rank's own: a DTensor's shards belong to the job
+        assert report["per_rank"][0] == "UnsupportedValueError"
+        assert "hold DTensors" in report["per_rank"][1]
     assert checkpointd.list_checkpoints(str(tmp_path / "root")) == []
 
 

@@ -12,8 +12,8 @@ every rank writes OUT/rank{RANK}.json (``ok``, ``error``,
 ``message``, ``blocked``: seconds save() blocked). MODE: ``fsdp2`` (fully_shard
 on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
 ``tp`` (ColwiseParallel/RowwiseParallel), ``ddp``, ``plain`` (no process group;
-WORLD must be 1). ACTION ``local`` saves a sharded model with a writer made with
-process_group=checkpointd.LOCAL (refused). Environment: CHECKPOINTD_TEST_OPTIONS
+WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
+``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
 save). Reports also carry ``shard_bytes_read``: bytes this rank read from shard files.
 """
@@ -119,14 +119,16 @@ def main() -> None:
         )
     result: dict[str, Any] = {"ok": False, "error": None, "message": "", "blocked": 0.0}
     count_shard_reads(result)
+    if action == "refused":
+        refused(root, mode, world, result)
+        _report(out, rank, result)
+        dist.destroy_process_group()
+        return
     try:
-        if action in ("save", "local"):
+        if action == "save":
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
-            group = checkpointd.LOCAL if action == "local" else None
-            with checkpointd.CheckpointWriter(
-                root, process_group=group, storage_options=options
-            ) as writer:
+            with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
                 started = time.perf_counter()
                 handle = writer.save(
                     1, {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
@@ -148,10 +150,31 @@ def main() -> None:
     except checkpointd.CheckpointError as exc:
         result["error"] = type(exc).__name__
         result["message"] = str(exc)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    _report(out, rank, result)
     if mode != "plain":
         dist.destroy_process_group()
+
+
+def _report(out: str, rank: int, result: dict[str, Any]) -> None:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def refused(root: str, mode: str, world: int, result: dict[str, Any]) -> None:
+    """Two saves that must be refused at save(): a sharded model with a writer that saves
+    alone, and one inside PerRank. Records each error's class and message."""
+    model, _ = build(mode, world, seed=0)
+    attempts = {
+        "local": (checkpointd.LOCAL, {"model": model}),
+        "per_rank": (None, {"model": checkpointd.PerRank(model)}),
+    }
+    for name, (group, state) in attempts.items():
+        try:
+            with checkpointd.CheckpointWriter(root, process_group=group) as writer:
+                writer.save(1, state).result()
+        except checkpointd.CheckpointError as exc:
+            result[name] = [type(exc).__name__, str(exc)]
+    result["ok"] = True
 
 
 def _plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
