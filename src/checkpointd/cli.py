@@ -13,8 +13,17 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal
 
+from checkpointd.cli_format import (
+    metrics_text,
+    progress_bar,
+    say,
+    shards_text,
+    size_text,
+    spec_text,
+)
+from checkpointd.cli_parser import build_parser, storage_options
 from checkpointd.errors import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
@@ -24,29 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main", "progress_bar", "say", "storage_options"]
 
 Command = Callable[[argparse.Namespace], int]
-
-
-def _storage_option(text: str) -> tuple[str, Any]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        value: Any = json.loads(raw)  # numbers, booleans, null, nested JSON
-    except json.JSONDecodeError:
-        value = raw
-    return key, value
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The ``--storage-option`` pairs as fsspec storage options (dotted keys nest)."""
-    options: dict[str, Any] = {}
-    for key, value in args.storage_option or []:
-        target = options
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = value
-    return options or None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -86,7 +72,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>12}  {'created (UTC)':<19}  {'size':>10}  metrics")
     for info in infos:
         created = info.created_at.strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{info.step:>12}  {created:<19}  {_size(info.nbytes):>10}  {_metrics(info.metrics)}")
+        print(
+            f"{info.step:>12}  {created:<19}  {size_text(info.nbytes):>10}  {metrics_text(info.metrics)}"
+        )
     return 0
 
 
@@ -123,28 +111,13 @@ def _ls_verified(args: argparse.Namespace) -> int:
     print(f"{'step':>12}  {'created (UTC)':<19}  {'size':>10}  status / metrics")
     for step, info, bad in rows:
         created = info.created_at.strftime("%Y-%m-%d %H:%M:%S") if info else "?"
-        size = _size(info.nbytes) if info else "?"
+        size = size_text(info.nbytes) if info else "?"
         if bad:
             status = f"DAMAGED: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
         else:
-            status = f"ok  {_metrics(info.metrics) if info else ''}".rstrip()
+            status = f"ok  {metrics_text(info.metrics) if info else ''}".rstrip()
         print(f"{step:>12}  {created:<19}  {size:>10}  {status}")
     return 1 if damaged else 0
-
-
-def _metrics(metrics: dict[str, Any]) -> str:
-    return " ".join(
-        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-    )
-
-
-def _size(nbytes: float) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -163,30 +136,6 @@ def _open(args: argparse.Namespace) -> Iterator[Store]:
 # inspect
 
 
-def _spec_line(entry: dict[str, Any]) -> str:
-    """``kind module.qualname(args) over other`` for one manifest spec."""
-    shown = [
-        *map(json.dumps, entry["args"]),
-        *(f"{k}={json.dumps(v)}" for k, v in entry["kwargs"].items()),
-    ]
-    over = f" over {entry['of']}" if entry["of"] else ""
-    return f"{entry['kind']} {entry['module']}.{entry['qualname']}({', '.join(shown)}){over}"
-
-
-def _shards_line(shards: list[dict[str, Any]] | None) -> str:
-    """``  2 shards: rank 0 [0:12], rank 1 [12:24]`` for a sharded tensor, else ""."""
-    if not shards:
-        return ""
-    shown = [
-        f"rank {s['rank']} ["
-        + ", ".join(f"{o}:{o + n}" for o, n in zip(s["offsets"], s["shape"], strict=True))
-        + "]"
-        for s in shards[:4]
-    ]
-    more = f", ... ({len(shards) - 4} more)" if len(shards) > 4 else ""
-    return f"  {len(shards)} shard{'' if len(shards) == 1 else 's'}: {', '.join(shown)}{more}"
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from checkpointd.describe import describe
 
@@ -198,25 +147,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {info['step']} at {info['path']}")
     print(f"  created   {info['created_at']}")
     print(
-        f"  size      {_size(info['nbytes'])} in {len(info['files'])} files "
+        f"  size      {size_text(info['nbytes'])} in {len(info['files'])} files "
         f"(schema {info['schema_version']}, checkpointd {info['library_version']}, "
         f"world size {info['world_size']})"
     )
-    print(f"  metrics   {_metrics(info['metrics']) or '-'}")
+    print(f"  metrics   {metrics_text(info['metrics']) or '-'}")
     print(f"  metadata  {json.dumps(info['metadata']) if info['metadata'] else '-'}")
     for name, entry in info["specs"].items():
-        print(f"  spec      {name}: {_spec_line(entry)}")
+        print(f"  spec      {name}: {spec_text(entry)}")
     for name, component in info["components"].items():
         tensors = component["tensors"]
         count = f"{len(tensors)} tensor{'' if len(tensors) == 1 else 's'}"
-        print(f"\ncomponent {name}: {count}, {_size(component['nbytes'])}")
+        print(f"\ncomponent {name}: {count}, {size_text(component['nbytes'])}")
         if not tensors:
             continue
         width = max(4, *(len(t["name"]) for t in tensors))
         print(f"  {'name':<{width}}  {'dtype':<9}  {'shape':<14}  {'bytes':>10}")
         for t in tensors:
             shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-            shards = _shards_line(t.get("shards"))
+            shards = shards_text(t.get("shards"))
             print(
                 f"  {t['name']:<{width}}  {t['dtype']:<9}  {shape:<14}  {t['nbytes']:>10}{shards}"
             )
@@ -230,41 +179,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------
 # verify
-
-
-def progress_bar(total: int, mode: Literal["auto", "always", "never"], stream: TextIO) -> Any:
-    """A tqdm byte counter on ``stream`` (stderr): "auto" shows it once the work has
-    taken a second, "always" from the start, "never" not at all. On a terminal it
-    redraws in place; elsewhere at most every 5 s (unless "always")."""
-    from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
-
-    tty = stream.isatty()
-    return tqdm(
-        total=total,
-        desc="verify",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=stream,
-        disable=mode == "never",
-        delay=0.0 if mode == "always" else 1.0,
-        mininterval=0.0 if mode == "always" else (0.2 if tty else 5.0),
-        dynamic_ncols=tty,
-    )
-
-
-def say(bar: Any, line: str) -> None:
-    """Print ``line`` on stdout; around the bar (cleared, then redrawn) once it is shown.
-
-    tqdm.write would redraw a bar that is still inside its delay, and that bar is
-    then never finished with a newline.
-    """
-    shown = not bar.disable and bar.last_print_t >= bar.start_t + bar.delay
-    if shown:
-        bar.write(line, file=sys.stdout)
-        sys.stdout.flush()
-    else:
-        print(line, flush=True)
 
 
 def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], list[str]]:
@@ -302,7 +216,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 status = "ok" if not bad else f"FAILED ({len(bad)} bad file(s))"
                 say(
                     bar,
-                    f"step {step}: {len(manifest.files)} files, {_size(manifest.nbytes)}: {status}",
+                    f"step {step}: {len(manifest.files)} files, {size_text(manifest.nbytes)}: {status}",
                 )
                 for line in bad:
                     say(bar, f"  bad file {line}")
@@ -313,7 +227,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"verified {checked} checkpoint(s), {_size(done)}: all sizes and CRC32C match")
+    print(f"verified {checked} checkpoint(s), {size_text(done)}: all sizes and CRC32C match")
     return 0
 
 
@@ -356,7 +270,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                 reasons = ", ".join(plan.retention.reasons[info.step])
                 print(f"  keep    step {info.step:>10}  ({reasons})")
             else:
-                print(f"  delete  step {info.step:>10}  {_size(info.nbytes)}")
+                print(f"  delete  step {info.step:>10}  {size_text(info.nbytes)}")
         if not plan.checkpoints:
             print("  no committed checkpoints")
         if plan.retention.unranked:
@@ -376,7 +290,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     verb = "deleted" if args.apply else "would delete"
     print(
         f"{verb} {len(plan.retention.delete)} checkpoint(s) and {len(plan.leftovers)} "
-        f"leftover(s), {_size(plan.freed)}"
+        f"leftover(s), {size_text(plan.freed)}"
         + ("" if args.apply else "; rerun with --apply to delete")
     )
     return 0
@@ -398,7 +312,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             step=args.step,
             storage_options=storage_options(args),
         )
-        print(f"exported step {done.step} to DCP folder {args.to}: {_size(done.nbytes)}")
+        print(f"exported step {done.step} to DCP folder {args.to}: {size_text(done.nbytes)}")
         return 0
     if args.component is None:
         raise ValueError(f"--format {args.format} needs --component NAME")
@@ -412,7 +326,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
         print(
             f"exported component {args.component!r} of step {done.step} to Hugging Face folder "
-            f"{args.to}: {done.tensors} tensors, {_size(done.nbytes)}"
+            f"{args.to}: {done.tensors} tensors, {size_text(done.nbytes)}"
         )
         return 0
     done = export_component(
@@ -430,7 +344,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
     print(
         f"exported component {args.component!r} of step {done.step} to {args.to}: "
-        f"{summary}, {_size(done.nbytes)}"
+        f"{summary}, {size_text(done.nbytes)}"
     )
     return 0
 
@@ -452,152 +366,22 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# the parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command."""
-    from checkpointd.cleanup import DEFAULT_OLDER_THAN
-
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--storage-option",
-        metavar="KEY=VALUE",
-        action="append",
-        type=_storage_option,
-        help="fsspec storage option (repeatable; dotted keys nest, e.g. client_kwargs.endpoint_url=...)",
-    )
-    common.add_argument("--debug", action="store_true", help="show tracebacks on failure")
-
-    parser = argparse.ArgumentParser(prog="checkpointd", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    demo = commands.add_parser(
-        "demo", parents=[common], help="train a small model, saving in the background"
-    )
-    demo.add_argument(
-        "root", nargs="?", default="checkpoints", help="where to save (default: ./checkpoints)"
-    )
-    demo.add_argument(
-        "--steps", type=int, default=300, help="steps to train in this run (default 300)"
-    )
-    demo.add_argument("--save-every", type=int, default=50, help="save every N steps (default 50)")
-    demo.add_argument(
-        "--width", type=int, default=512, help="hidden width of the model (default 512)"
-    )
-    demo.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
-    demo.set_defaults(handler=_cmd_demo)
-
-    root_help = "checkpoint root: a local path or an fsspec URL (s3://bucket/prefix)"
-    ls = commands.add_parser("ls", parents=[common], help="list committed checkpoints")
-    ls.add_argument("root", help=root_help)
-    ls.add_argument("--json", action="store_true", help="print one JSON array")
-    ls.add_argument(
-        "--verify",
-        action="store_true",
-        help="read every byte, mark damaged steps (exit 1 if any; JSON rows gain 'damaged')",
-    )
-    ls.set_defaults(handler=_cmd_ls)
-
-    inspect = commands.add_parser(
-        "inspect", parents=[common], help="components, tensors, metadata and files of a checkpoint"
-    )
-    inspect.add_argument("root", help=root_help)
-    inspect.add_argument("--step", type=int, help="the step (default: the newest)")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    inspect.set_defaults(handler=_cmd_inspect)
-
-    verify = commands.add_parser(
-        "verify", parents=[common], help="read every byte and check sizes and CRC32C"
-    )
-    verify.add_argument("root", help=root_help)
-    which = verify.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="the step (default: the newest)")
-    which.add_argument("--all", action="store_true", help="every committed checkpoint")
-    shown = verify.add_mutually_exclusive_group()
-    shown.add_argument(
-        "--progress",
-        action="store_true",
-        help="always show progress on stderr (default: after 1 s)",
-    )
-    shown.add_argument("--no-progress", action="store_true", help="never show progress")
-    verify.set_defaults(handler=_cmd_verify)
-
-    gc = commands.add_parser(
-        "gc",
-        parents=[common],
-        help="show (with --apply: delete) what retention and leftover cleanup would remove",
-    )
-    gc.add_argument("root", help=root_help)
-    gc.add_argument("--apply", action="store_true", help="delete (default: only show)")
-    gc.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints")
-    gc.add_argument("--keep-every", type=int, metavar="K", help="also keep steps divisible by K")
-    gc.add_argument(
-        "--keep-best", type=int, metavar="K", help="also keep the K best by --best-metric"
-    )
-    gc.add_argument("--best-metric", metavar="NAME", help="the metrics key --keep-best ranks by")
-    gc.add_argument("--best-mode", choices=("min", "max"), default="min", help="default: min")
-    gc.add_argument(
-        "--older-than",
-        type=float,
-        default=DEFAULT_OLDER_THAN,
-        metavar="SECONDS",
-        help=(
-            "leftovers untouched this long count as abandoned (default "
-            f"{DEFAULT_OLDER_THAN:g}); a live save's files are only dated by their age, "
-            "so use small values only when no writer is running"
-        ),
-    )
-    gc.set_defaults(handler=_cmd_gc)
-
-    _add_conversions(commands, common, root_help)
-    return parser
-
-
-def _add_conversions(commands: Any, common: argparse.ArgumentParser, root_help: str) -> None:
-    """The ``export`` and ``import`` subcommands."""
-    export = commands.add_parser(
-        "export", parents=[common], help="write one component as a .safetensors or .pt file"
-    )
-    export.add_argument("root", help=root_help)
-    export.add_argument("--step", type=int, help="the step (default: the newest)")
-    export.add_argument(
-        "--component", metavar="NAME", help="component to export (--format dcp: default all)"
-    )
-    export.add_argument(
-        "--format",
-        choices=("file", "hf", "dcp"),
-        default="file",
-        help="file: one FILE; hf: a Hugging Face safetensors folder with its index; "
-        "dcp: a torch.distributed.checkpoint folder",
-    )
-    export.add_argument(
-        "--to",
-        required=True,
-        metavar="PATH",
-        help="file: FILE.safetensors (tensors only, dotted names) or FILE.pt (torch.save of "
-        "the tree); hf, dcp: a new folder",
-    )
-    export.set_defaults(handler=_cmd_export)
-
-    imp = commands.add_parser(
-        "import",
-        parents=[common],
-        help="commit a torch.save file, safetensors file, HF folder or DCP folder as a checkpoint",
-    )
-    imp.add_argument("source", help="a .pt/.pth/.ckpt, .safetensors, HF folder or DCP folder")
-    imp.add_argument("root", help=root_help)
-    imp.add_argument("--step", type=int, help="the step (default: Lightning's global_step, else 0)")
-    imp.add_argument("--component", metavar="NAME", help="put everything in this one component")
-    imp.set_defaults(handler=_cmd_import)
+_HANDLERS: dict[str, Command] = {
+    "demo": _cmd_demo,
+    "ls": _cmd_ls,
+    "inspect": _cmd_inspect,
+    "verify": _cmd_verify,
+    "gc": _cmd_gc,
+    "export": _cmd_export,
+    "import": _cmd_import,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler: Command = args.handler
+    handler: Command = _HANDLERS[args.command]
     try:
         status = handler(args)
         sys.stdout.flush()  # a closed pipe must surface here, not at interpreter exit
