@@ -7,10 +7,10 @@ then calls any Python handler that was installed before it. The default
 action (SIG_DFL, which would end the process) is replaced, not chained: the
 loop is expected to see ``writer.preempted``, save and exit on its own.
 
-Single process only: in a job of many ranks each rank sees its own signal and
-nothing yet makes the ranks agree on one step (a collective at step boundaries
-is for later), so a writer saving with a group of many ranks refuses to watch.
-Install and remove from the main thread (Python delivers signals there).
+In a job of many ranks each rank sees its own signal, perhaps at another step:
+``any_rank`` makes them agree, one small all_reduce on the training's process
+group at each step boundary, and only for writers that watch. Install and
+remove from the main thread (Python delivers signals there).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from checkpointd.errors import InvalidArgumentError
 
-__all__ = ["PreemptionWatch"]
+__all__ = ["PreemptionWatch", "any_rank"]
 
 
 class PreemptionWatch:
@@ -66,3 +66,18 @@ class PreemptionWatch:
         for sig, handler in previous.items():
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def any_rank(flag: bool) -> bool:
+    """True if ``flag`` is True on any rank of the default process group: one all_reduce
+    (MAX) of one integer, on the device the group's backend needs. A collective: every
+    rank calls it at the same step boundary, from the training thread."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -122,15 +122,12 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         any Python handler installed before; the default action (ending the
         process) is replaced, so the loop must save and exit: see
         ``save_if_preempted``. ``close()`` puts the previous handlers back.
-        Single process only (a writer saving with many ranks refuses).
+        With many ranks, every rank watches and calls ``save_if_preempted`` at
+        every step boundary: the ranks agree there.
         """
         from checkpointd.preemption import PreemptionWatch
 
         self._check_usable()
-        if self._ranks is not None:
-            raise InvalidArgumentError(
-                "watch_preemption is single-process for now: the ranks would not agree on a step"
-            )
         if self._preemption is not None:
             self._preemption.remove()
         self._preemption = PreemptionWatch(signals)
@@ -147,9 +144,18 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         Saves once per writer: later calls return True without saving again. A
         second signal during the save only sets the flag again, so the save
         completes (or, if the process is killed, nothing of it is published).
-        Call from the training thread at a step boundary.
+        Call from the training thread at a step boundary. With many ranks it is
+        a collective (one small all_reduce on the default group, only while
+        watching): if any rank was signalled, every rank saves this step.
         """
-        if not self.preempted:
+        if self._preemption is None:
+            return False
+        preempted = self.preempted
+        if self._ranks is not None and not self._preemption_saved:
+            from checkpointd.preemption import any_rank
+
+            preempted = any_rank(preempted)
+        if not preempted and not self._preemption_saved:
             return False
         if not self._preemption_saved:
             self._preemption_saved = True

@@ -131,6 +131,15 @@ def test_the_publisher_killed_during_the_commit_wait_publishes_nothing(tmp_path:
     assert _published(tmp_path / "root") == [1]
 
 
+def test_sigterm_on_one_rank_makes_every_rank_save_the_same_step(tmp_path: Path) -> None:
+    reports = run_job("preempted", tmp_path / "root", tmp_path / "out")
+    seen = [_seen(reports, rank) for rank in (0, 1)]
+    assert [r["stopped_at"] for r in seen] == [5, 5], seen
+    assert [r["signalled"] for r in seen] == [False, True]  # only rank 1 got the signal
+    assert _published(tmp_path / "root") == [5]
+    assert checkpointd.load(str(tmp_path / "root")).state["extra"]["epoch"] == 5
+
+
 def test_a_save_only_rank_0_joins_fails_naming_the_missing_rank(tmp_path: Path) -> None:
     reports = run_job("rank0_only", tmp_path / "root", tmp_path / "out")
     report = _seen(reports, 0)

@@ -32,6 +32,7 @@ SCENARIOS = (
     "killed0",
     "killed0_publishing",
     "rank0_only",
+    "preempted",
 )
 
 
@@ -73,6 +74,22 @@ def _restore_per_rank(
     result["rng_exact"] = torch.equal(torch.rand(3), after_save)
 
 
+def _preempted(root: str, rank: int, state: dict[str, Any], result: dict[str, Any]) -> None:
+    """A training loop that watches SIGTERM; rank 1 alone gets one (a real signal, from
+    itself) at step 5, and the ranks must agree to save that step and stop."""
+    with checkpointd.CheckpointWriter(root) as writer:
+        writer.watch_preemption()
+        for step in range(1, 1000):
+            state["extra"]["epoch"] = step
+            if rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if writer.save_if_preempted(step, state):
+                result["ok"] = True
+                result["stopped_at"] = step
+                result["signalled"] = writer.preempted
+                return
+
+
 def _die_while_writing(*args: Any) -> Any:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -101,6 +118,11 @@ def main() -> None:
         state["rng"] = checkpointd.RNGState()
         torch.manual_seed(1000 + rank)  # each rank's generator differs
     started = time.monotonic()
+    if scenario == "preempted":
+        _preempted(root, rank, state, result)
+        _report(out, rank, result, started)
+        dist.destroy_process_group()
+        return
     try:
         with checkpointd.CheckpointWriter(root) as writer:
             if scenario != "rank0_only" or rank == 0:
