@@ -25,7 +25,13 @@ from checkpointd.errors import (
     IncompatibleCheckpointError,
     UnsupportedValueError,
 )
-from checkpointd.layout import MANIFEST_NAME, is_component_name, is_safe_file_name, step_dirname
+from checkpointd.layout import (
+    MANIFEST_NAME,
+    is_blob_name,
+    is_component_name,
+    is_safe_file_name,
+    step_dirname,
+)
 from checkpointd.tunables import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES
 
 __all__ = [
@@ -33,6 +39,8 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "SCHEMA_VERSION",
+    "BlobEntry",
+    "BlobRef",
     "CheckpointInfo",
     "ComponentEntry",
     "FileEntry",
@@ -44,7 +52,8 @@ __all__ = [
     "too_deep",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema this library reads; it writes 1 unless a manifest needs 2 (shared blobs)."""
 FORMAT_NAME = "checkpointd"
 
 _T = TypeVar("_T")
@@ -60,13 +69,35 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     rank: int = 0
 
 
+class BlobRef(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A tensor stored as a shared blob (incremental saves): its blob, dtype code and shape."""
+
+    blob: str
+    dtype: str
+    shape: list[int]
+
+
+class BlobEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One shared blob a checkpoint uses (``blobs/NAME`` under the root).
+
+    ``written``: this save wrote it; False when it references bytes an earlier save stored.
+    """
+
+    name: str
+    size: int
+    crc32c: int
+    written: bool = False
+
+
 class ComponentEntry(msgspec.Struct, frozen=True):
-    """Where one component lives: its tree file and its tensor files."""
+    """Where one component lives: its tree file, its tensor files, and (incremental
+    saves) the tensors stored as shared blobs."""
 
     tree: str
     tensors: list[str] = msgspec.field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
+    refs: dict[str, BlobRef] = msgspec.field(default_factory=dict)
 
 
 class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -108,10 +139,18 @@ class Manifest(msgspec.Struct, frozen=True):
     """A per-rank component's name -> the components holding each rank's state, by rank
     (``NAME-rankR``); those are ordinary components to a reader that ignores this field."""
 
+    blobs: list[BlobEntry] = msgspec.field(default_factory=list)
+    """Shared blobs the checkpoint uses (schema 2, incremental saves); see docs/format.md."""
+
     @property
     def nbytes(self) -> int:
-        """Total size of the component files (the manifest itself excluded)."""
-        return sum(f.size for f in self.files)
+        """Total size of the files and blobs it uses (the manifest itself excluded)."""
+        return sum(f.size for f in self.files) + sum(b.size for b in self.blobs)
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of the blobs it uses that an earlier save wrote (not written by this save)."""
+        return sum(b.size for b in self.blobs if not b.written)
 
 
 class _Version(msgspec.Struct):
@@ -193,7 +232,8 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    if version.schema_version == SCHEMA_VERSION:
+    if version.schema_version == SCHEMA_VERSION or version.schema_version not in _MIGRATIONS:
+        # Version 1 is version 2 without the optional blob fields: no migration needed.
         manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     else:
         manifest = _decode(where, lambda: _migrate(body, version.schema_version))
@@ -248,9 +288,30 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
                 raise CorruptCheckpointError(
                     f"{where}: component {name!r} refers to unlisted file {path!r}"
                 )
+    _check_blobs(manifest, where)
     for name, keys in manifest.per_rank.items():
         if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
             raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
+
+
+def _check_blobs(manifest: Manifest, where: str) -> None:
+    """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted blobs."""
+    blobs: set[str] = set()
+    for blob in manifest.blobs:
+        if not is_blob_name(blob.name) or blob.size < 0 or not 0 <= blob.crc32c < 2**32:
+            raise CorruptCheckpointError(f"{where}: invalid blob entry {blob.name!r}")
+        if blob.name in blobs:
+            raise CorruptCheckpointError(f"{where}: blob {blob.name!r} listed twice")
+        blobs.add(blob.name)
+    if blobs and manifest.schema_version < 2:
+        raise CorruptCheckpointError(f"{where}: blobs in a schema_version 1 manifest")
+    for name, component in manifest.components.items():
+        for tensor, ref in component.refs.items():
+            if ref.blob not in blobs:
+                raise CorruptCheckpointError(
+                    f"{where}: component {name!r} tensor {tensor!r} refers to unlisted blob "
+                    f"{ref.blob!r}"
+                )
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):
@@ -263,6 +324,13 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     components: tuple[str, ...]
+    referenced_nbytes: int = 0
+    """Of ``nbytes``, the bytes of shared blobs an earlier save wrote (incremental saves)."""
+
+    @property
+    def written_nbytes(self) -> int:
+        """Bytes this checkpoint's save wrote: ``nbytes`` less what it references."""
+        return self.nbytes - self.referenced_nbytes
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
@@ -275,4 +343,5 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
             metrics=manifest.metrics,
             metadata=manifest.metadata,
             components=tuple(manifest.components),
+            referenced_nbytes=manifest.referenced_nbytes,
         )

@@ -50,7 +50,6 @@ from checkpointd.errors import CheckpointError, RankFailedError
 from checkpointd.handle import first_leaf
 from checkpointd.layout import step_dirname
 from checkpointd.manifest import (
-    SCHEMA_VERSION,
     CheckpointInfo,
     ComponentEntry,
     FileEntry,
@@ -333,7 +332,7 @@ async def _publish(
         for key, name in share.per_rank.items():
             per_rank.setdefault(name, []).append(key)
     manifest = Manifest(
-        schema_version=SCHEMA_VERSION,
+        schema_version=1,  # 2 is for shared blobs, which many-rank saves do not write yet
         step=plan.step,
         created_at=plan.created_at,
         library_version=__version__,

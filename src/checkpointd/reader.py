@@ -21,7 +21,15 @@ from checkpointd.errors import (
     CorruptCheckpointError,
     StorageNotFoundError,
 )
-from checkpointd.manifest import MANIFEST_NAME, ComponentEntry, FileEntry, Manifest, step_dirname
+from checkpointd.layout import blob_path
+from checkpointd.manifest import (
+    MANIFEST_NAME,
+    BlobEntry,
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    step_dirname,
+)
 from checkpointd.storage import Store
 
 if TYPE_CHECKING:
@@ -46,6 +54,7 @@ class StepReader:
         self.folder = step_dirname(step)
         self.where = catalog.step_path(store, step)
         self.files: dict[str, FileEntry] = {f.path: f for f in manifest.files}
+        self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
 
     def _size(self, name: str) -> int:
@@ -144,19 +153,78 @@ class StepReader:
         tensors: dict[str, torch.Tensor] = {}
         for tensor_file in entry.tensors:
             tensors.update(self.tensors(tensor_file))
+        for tensor, ref in entry.refs.items():
+            if tensor in tensors:
+                raise CorruptCheckpointError(
+                    f"{self.where}: tensor {tensor!r} of {name!r} is both in a file and a blob"
+                )
+            tensors[tensor] = self.blob_tensor(ref.blob, ref.dtype, ref.shape, tensor)
         tree = bytes(self.read(entry.tree).numpy())
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
+
+    def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
+        """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
+        the size and (with ``verify``) CRC32C checks. A missing blob is damage to this
+        checkpoint (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
+        import math
+
+        import torch
+
+        from checkpointd.header import DTYPES_BY_CODE, shape_fits
+
+        entry = self.blobs[blob]
+        at = f"{self.store.url.rstrip('/')}/{blob_path(blob)}"
+        dtype = DTYPES_BY_CODE.get(code)
+        if dtype is None or not shape_fits(shape):
+            raise CorruptCheckpointError(f"{self.where}: bad dtype or shape for {tensor!r}")
+        if math.prod(shape) * dtype.itemsize != entry.size:
+            raise CorruptCheckpointError(
+                f"{self.where}: {tensor!r} needs {math.prod(shape) * dtype.itemsize} bytes, "
+                f"blob {blob} is listed with {entry.size}"
+            )
+        try:
+            size = self.store.size(blob_path(blob))
+            if size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{at} (used by {self.where}): size {size} does not match the manifest's "
+                    f"{entry.size}"
+                )
+            data = torch.empty(size, dtype=torch.uint8)
+            view = data.numpy().data.cast("B")
+            self.store.read_into(blob_path(blob), view)
+        except StorageNotFoundError:
+            if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
+                raise self._vanished(blob) from None
+            raise CorruptCheckpointError(
+                f"{at} (used by {self.where}): listed in the manifest but missing"
+            ) from None
+        if self.verify:
+            actual = crc32c(view)
+            if actual != entry.crc32c:
+                raise CorruptCheckpointError(
+                    f"{at} (used by {self.where}): CRC32C {actual:08x} does not match the "
+                    f"manifest's {entry.crc32c:08x}"
+                )
+        return data.view(dtype).view(shape)
 
     def verify_file(self, entry: FileEntry, progress: Progress | None = None) -> str | None:
         """Stream every byte of one file through CRC32C; what is wrong with it, or None.
 
         Reads in ``tunables.READ_CHUNK_BYTES`` pieces (constant memory), calling ``progress`` after each.
         """
-        path = f"{self.folder}/{entry.path}"
+        return self._verify_path(f"{self.folder}/{entry.path}", entry.size, entry.crc32c, progress)
+
+    def verify_blob(self, entry: BlobEntry, progress: Progress | None = None) -> str | None:
+        """As ``verify_file``, for a shared blob the checkpoint uses."""
+        return self._verify_path(blob_path(entry.name), entry.size, entry.crc32c, progress)
+
+    def _verify_path(
+        self, path: str, expected_size: int, expected_crc: int, progress: Progress | None
+    ) -> str | None:
         try:
             size = self.store.size(path)
-            if size != entry.size:
-                return f"size {size} does not match the manifest's {entry.size}"
+            if size != expected_size:
+                return f"size {size} does not match the manifest's {expected_size}"
             chunk = tunables.READ_CHUNK_BYTES
             buffer = bytearray(min(chunk, size))
             digest = 0
@@ -168,19 +236,39 @@ class StepReader:
                     progress(len(view))
         except StorageNotFoundError:
             return "listed in the manifest but missing"
-        if digest != entry.crc32c:
-            return f"CRC32C {digest:08x} does not match the manifest's {entry.crc32c:08x}"
+        if digest != expected_crc:
+            return f"CRC32C {digest:08x} does not match the manifest's {expected_crc:08x}"
         return None
 
 
 def verify_step(
-    store: Store, step: int, manifest: Manifest, progress: Progress | None = None
+    store: Store,
+    step: int,
+    manifest: Manifest,
+    progress: Progress | None = None,
+    *,
+    seen: dict[tuple[str, int, int], str | None] | None = None,
 ) -> list[str]:
-    """Check every file of a committed step (sizes and CRC32C); one line per bad file."""
+    """Check every file and shared blob of a committed step (sizes and CRC32C); one line
+    per bad file or blob.
+
+    ``seen`` caches blob results across calls (a blob shared by many checkpoints is
+    read once); a bad blob is reported again for every checkpoint that uses it.
+    """
     reader = StepReader(store, step, manifest)
     bad: list[str] = []
     for entry in manifest.files:
         problem = reader.verify_file(entry, progress)
         if problem is not None:
             bad.append(f"{reader.where}/{entry.path}: {problem}")
+    for blob in manifest.blobs:
+        key = (blob.name, blob.size, blob.crc32c)
+        if seen is not None and key in seen:
+            problem = seen[key]
+        else:
+            problem = reader.verify_blob(blob, progress)
+            if seen is not None:
+                seen[key] = problem
+        if problem is not None:
+            bad.append(f"{store.url.rstrip('/')}/{blob_path(blob.name)} (shared): {problem}")
     return bad
