@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from checkpointd import catalog
 from checkpointd.cleanup import Leftover, remove_leftovers, scan_leftovers
 from checkpointd.manifest import CheckpointInfo
-from checkpointd.retention import RetentionPlan, RetentionPolicy, delete_checkpoint, plan_retention
+from checkpointd.retention import (
+    RetentionPlan,
+    RetentionPolicy,
+    delete_checkpoints,
+    plan_retention,
+)
 from checkpointd.storage import Store
 
 __all__ = ["GcPlan", "apply_gc", "plan_gc"]
@@ -27,22 +32,32 @@ class GcPlan:
     retention: RetentionPlan
     leftovers: list[Leftover]
     problems: list[str]
+    shared_freed: int = 0
+    """Bytes of shared blobs that only the deleted checkpoints use (incremental saves)."""
 
     @property
     def freed(self) -> int:
-        """Bytes that applying the plan removes."""
-        return sum(v.nbytes for v in self.retention.delete) + sum(x.nbytes for x in self.leftovers)
+        """Bytes that applying the plan removes: a deleted checkpoint's own files, the
+        blobs only deleted checkpoints use, and the leftovers."""
+        own = sum(v.written_nbytes for v in self.retention.delete)
+        return own + self.shared_freed + sum(x.nbytes for x in self.leftovers)
 
 
 def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
     """Plan a collection: reads every manifest, lists leftovers untouched ``older_than`` s."""
-    checkpoints = catalog.infos(store)
+    found = catalog.committed(store)
+    checkpoints = [CheckpointInfo.from_manifest(m, catalog.step_path(store, s)) for s, m in found]
     scan = scan_leftovers(store, older_than=older_than)
-    return GcPlan(checkpoints, plan_retention(checkpoints, policy), scan.leftovers, scan.problems)
+    retention = plan_retention(checkpoints, policy)
+    doomed = {v.step for v in retention.delete}
+    kept = {b.name for s, m in found if s not in doomed for b in m.blobs}
+    dropped = {(b.name, b.size) for s, m in found if s in doomed for b in m.blobs}
+    shared = sum(size for name, size in dropped if name not in kept)
+    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, shared)
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:
-    """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then leftovers."""
-    for victim in plan.retention.delete:
-        delete_checkpoint(store, victim.step)
+    """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then the
+    shared blobs only they used, then leftovers."""
+    delete_checkpoints(store, [victim.step for victim in plan.retention.delete])
     remove_leftovers(store, plan.leftovers)

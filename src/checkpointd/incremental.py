@@ -138,7 +138,8 @@ class IncrementalSaver:
             with anyio.CancelScope(shield=True):
                 await _in_thread(limiter, remove_pin, store, pin)
         self.previous = {
-            name: msgspec.structs.replace(entry, written=False) for name, entry in blobs.used.items()
+            name: msgspec.structs.replace(entry, written=False)
+            for name, entry in blobs.used.items()
         }
         self.stats = stats
         return info
@@ -219,7 +220,9 @@ def _plan(snapshot: Snapshot, token: str, blobs: _Blobs) -> SavePlan:
             if entry.name in refs:
                 continue
             size = _size(entry)
-            small.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
+            small.append(
+                TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size)
+            )
             parts.append(snapshot.buffer.view(component.offset + entry.begin, size))
             position += size
         tensor_files: list[str] = []
