@@ -190,6 +190,13 @@ def remove_leftovers(store: Store, leftovers: Iterable[Leftover]) -> None:
         if leftover.kind == "upload":
             assert leftover.upload is not None
             store.abort_upload(leftover.upload)
+        elif leftover.kind == "blob":
+            # A save may have written the same bytes again since the scan: then it is
+            # younger now than it was then, and it stays.
+            modified = _file_info(store, leftover.path)
+            if modified is None or _age(time.time(), modified[1]) < leftover.age:
+                continue
+            store.remove_file(leftover.path)
         elif leftover.kind == "uncommitted":
             if store.exists(f"{leftover.path}/{MANIFEST_NAME}"):
                 continue

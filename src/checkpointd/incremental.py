@@ -5,7 +5,7 @@ loop, one save at a time. Per save: pin the blobs of the writer's previous
 committed checkpoint (shared.write_pin); hash each large tensor of the snapshot
 in a worker thread (digest.py); reference the blob of a tensor whose hash names
 one of those blobs, write every other to ``blobs/NAME``; check that every
-referenced blob is still stored (and write it again from the snapshot if not);
+blob it lists is still stored (and write it again from the snapshot if not);
 then commit the step's own files and manifest as any save (commit.commit_plan)
 and drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
 step's tensor file. The caller's thread does nothing more than for a full save.
@@ -130,7 +130,7 @@ class IncrementalSaver:
                     for entry in _large(component):
                         view = snapshot.buffer.view(component.offset + entry.begin, _size(entry))
                         group.start_soon(self._blob, blobs, component.name, entry, view, limiter)
-            stats = await self._check_referenced(blobs, limiter)
+            stats = await self._check_stored(blobs, limiter)
             await _in_thread(limiter, store.sync_dir, BLOBS_DIR)
             plan = _plan(snapshot, token, blobs)
             info = await commit_plan(store, plan, limiter, identity=identity)
@@ -166,9 +166,10 @@ class IncrementalSaver:
             return
         blobs.used[name] = await _in_thread(limiter, _write_blob, self.store, name, view, component)
 
-    async def _check_referenced(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
-        """Make sure every referenced blob is still stored; write back any that is not
-        (from the snapshot: same bytes, same name). Event loop."""
+    async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
+        """Make sure every blob the manifest will list is stored, referenced ones and ones
+        just written (a deletion in another process may have raced this save); write
+        back any that is not, from the snapshot (same bytes, same name). Event loop."""
         stats = SaveStats()
 
         async def check(entry: BlobEntry) -> None:
@@ -182,8 +183,7 @@ class IncrementalSaver:
 
         async with anyio.create_task_group() as group:
             for entry in list(blobs.used.values()):
-                if not entry.written:
-                    group.start_soon(check, entry)
+                group.start_soon(check, entry)
         for entry in blobs.used.values():
             if entry.written:
                 stats.written += 1

@@ -237,11 +237,15 @@ def delete_checkpoint(store: Store, step: int) -> bool:
 
 
 def delete_checkpoints(
-    store: Store, steps: Iterable[int], manifests: Mapping[int, Manifest] | None = None
+    store: Store,
+    steps: Iterable[int],
+    manifests: Mapping[int, Manifest] | None = None,
+    known: dict[int, Manifest] | None = None,
 ) -> list[int]:
     """``delete_checkpoint`` each of ``steps`` in order, then the shared blobs that only
     they used (shared.drop_blobs: after their manifests are gone, so a crash midway
-    loses nothing a committed checkpoint needs). ``manifests``: those already read.
+    loses nothing a committed checkpoint needs). ``manifests``: those already read;
+    ``known``: a manifest cache (catalog.scan).
     Returns the steps deleted. Blocking; any thread.
     """
     from checkpointd.catalog import read_manifest
@@ -261,7 +265,7 @@ def delete_checkpoints(
             deleted.append(step)
             if manifest is not None:
                 dropped.append(manifest)
-    drop_blobs(store, dropped)
+    drop_blobs(store, dropped, known)
     return deleted
 
 
@@ -336,7 +340,7 @@ async def apply_retention(
     deleted: list[int] = []
     if victims:
         deleted = await anyio.to_thread.run_sync(
-            delete_checkpoints, store, victims, manifests, limiter=limiter
+            delete_checkpoints, store, victims, manifests, known, limiter=limiter
         )
     if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.

@@ -99,12 +99,15 @@ def read_pins(store: Store) -> set[str] | None:
     return pinned
 
 
-def drop_blobs(store: Store, dropped: Iterable[Manifest]) -> list[str]:
+def drop_blobs(
+    store: Store, dropped: Iterable[Manifest], known: dict[int, Manifest] | None = None
+) -> list[str]:
     """Delete the blobs of the ``dropped`` checkpoints (whose manifests are already
     deleted) that no committed manifest lists and no pin names; return their names.
 
     Reads the pins, then every manifest; deletes nothing if a pin or a manifest
-    cannot be read (a damaged one may list them): gc removes them later. Worker thread.
+    cannot be read (a damaged one may list them): gc removes them later. ``known``:
+    manifests read before (catalog.scan). Worker thread.
     """
     candidates = {blob.name for manifest in dropped for blob in manifest.blobs}
     if not candidates:
@@ -113,7 +116,7 @@ def drop_blobs(store: Store, dropped: Iterable[Manifest]) -> list[str]:
     if pinned is None:
         return []
     damaged: list[int] = []
-    kept = _listed(store, damaged)
+    kept = _listed(store, damaged, known)
     if damaged:
         return []
     doomed = sorted(candidates - kept - pinned)
@@ -122,7 +125,7 @@ def drop_blobs(store: Store, dropped: Iterable[Manifest]) -> list[str]:
     return doomed
 
 
-def _listed(store: Store, damaged: list[int]) -> set[str]:
+def _listed(store: Store, damaged: list[int], known: dict[int, Manifest] | None = None) -> set[str]:
     """Every blob a committed manifest lists; steps whose manifest cannot be read go to
     ``damaged``."""
 
@@ -131,7 +134,7 @@ def _listed(store: Store, damaged: list[int]) -> set[str]:
 
     return {
         blob.name
-        for _, manifest in catalog.scan(store, newest_first=False, on_damaged=note)
+        for _, manifest in catalog.scan(store, newest_first=False, on_damaged=note, known=known)
         for blob in manifest.blobs
     }
 
