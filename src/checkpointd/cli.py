@@ -116,7 +116,7 @@ def _ls_verified(args: argparse.Namespace) -> int:
     from checkpointd.reader import verify_step
 
     rows: list[tuple[int, CheckpointInfo | None, list[str]]] = []
-    seen: dict[tuple[str, int, int], str | None] = {}  # shared blobs: read once
+    seen: dict[tuple[str, int], str | None] = {}  # shared blobs: read once
 
     def unreadable(step: int, exc: CheckpointError) -> None:
         rows.append((step, None, [f"manifest: {exc}"]))
@@ -234,7 +234,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print("\nshared blobs")
         for b in info["blobs"]:
             how = "written" if b["written"] else "referenced"
-            print(f"  {b['path']}  {b['size']:>10}  crc32c {b['crc32c']}  {how}")
+            print(f"  {b['path']}  {b['size']:>10}  {how}")
     return 0
 
 
@@ -299,7 +299,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from checkpointd.reader import verify_step
 
     checked = done = 0
-    seen: dict[tuple[str, int, int], str | None] = {}  # a shared blob is read once
+    seen: dict[tuple[str, int], str | None] = {}  # a shared blob is read once
     with _open(args) as store:
         targets, failures = _verify_targets(store, args)
         mode: Literal["auto", "always", "never"] = (

@@ -83,7 +83,6 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
             {
                 "path": blob_path(b.name),
                 "size": b.size,
-                "crc32c": f"{b.crc32c:08x}",
                 "written": b.written,
             }
             for b in manifest.blobs

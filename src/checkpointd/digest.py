@@ -16,9 +16,24 @@ import xxhash
 from checkpointd.checksum import BytesLike
 from checkpointd.layout import BLOB_PREFIX
 
-__all__ = ["blob_name"]
+__all__ = ["BlobHasher", "blob_name"]
 
 
 def blob_name(data: BytesLike) -> str:
     """The content-addressed name of ``data``: ``xxh128-`` and 32 hex digits. Any thread."""
     return BLOB_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+class BlobHasher:
+    """``blob_name`` of bytes fed piece by piece (verify streams a blob). One thread."""
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_128()
+
+    def update(self, data: BytesLike) -> None:
+        """Add the next piece."""
+        self._state.update(data)
+
+    def name(self) -> str:
+        """The blob name of everything fed so far."""
+        return BLOB_PREFIX + self._state.hexdigest()

@@ -26,7 +26,7 @@ import msgspec
 
 from checkpointd import catalog, tunables
 from checkpointd.capture import CapturedComponent
-from checkpointd.commit import _commit_file, _stream_file, commit_plan, open_step
+from checkpointd.commit import commit_plan, open_step
 from checkpointd.digest import blob_name
 from checkpointd.errors import CheckpointNotFoundError, StorageError
 from checkpointd.format import encode_tree
@@ -79,11 +79,18 @@ def _newest_blobs(store: Store) -> dict[str, BlobEntry]:
     return {blob.name: blob for blob in manifest.blobs}
 
 
-def _write_blob(store: Store, name: str, view: memoryview, component: str) -> BlobEntry:
-    """Write blob ``name`` durably (atomic replace: same name, same bytes). Worker thread."""
-    sink, entry = _stream_file(store, BLOBS_DIR, WriteFile(name, [view], component))
-    _commit_file(sink)
-    return BlobEntry(name, entry.size, entry.crc32c, written=True)
+def _write_blob(store: Store, name: str, view: memoryview) -> BlobEntry:
+    """Write blob ``name`` durably (atomic replace: same name, same bytes). No CRC32C:
+    the name is the digest readers check. Worker thread."""
+    sink = store.open_file(blob_path(name), size=len(view))
+    try:
+        for start in range(0, len(view), tunables.CHUNK_BYTES):
+            sink.write(view[start : start + tunables.CHUNK_BYTES])
+        sink.commit()
+    except BaseException:
+        sink.discard()
+        raise
+    return BlobEntry(name, len(view), written=True)
 
 
 def _stored(store: Store, entry: BlobEntry) -> bool:
@@ -164,7 +171,7 @@ class IncrementalSaver:
         if known is not None and known.size == len(view):
             blobs.used[name] = msgspec.structs.replace(known, written=False)
             return
-        blobs.used[name] = await _in_thread(limiter, _write_blob, self.store, name, view, component)
+        blobs.used[name] = await _in_thread(limiter, _write_blob, self.store, name, view)
 
     async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
         """Make sure every blob the manifest will list is stored, referenced ones and ones
@@ -177,7 +184,7 @@ class IncrementalSaver:
                 return
             view = blobs.views[entry.name]
             blobs.used[entry.name] = await _in_thread(
-                limiter, _write_blob, self.store, entry.name, view, "(repair)"
+                limiter, _write_blob, self.store, entry.name, view
             )
             stats.repaired += 1
 

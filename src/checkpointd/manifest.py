@@ -80,12 +80,12 @@ class BlobRef(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 class BlobEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """One shared blob a checkpoint uses (``blobs/NAME`` under the root).
 
+    No CRC32C: the name is the XXH3-128 digest of the bytes, which readers check.
     ``written``: this save wrote it; False when it references bytes an earlier save stored.
     """
 
     name: str
     size: int
-    crc32c: int
     written: bool = False
 
 
@@ -298,7 +298,7 @@ def _check_blobs(manifest: Manifest, where: str) -> None:
     """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted blobs."""
     blobs: set[str] = set()
     for blob in manifest.blobs:
-        if not is_blob_name(blob.name) or blob.size < 0 or not 0 <= blob.crc32c < 2**32:
+        if not is_blob_name(blob.name) or blob.size < 0:
             raise CorruptCheckpointError(f"{where}: invalid blob entry {blob.name!r}")
         if blob.name in blobs:
             raise CorruptCheckpointError(f"{where}: blob {blob.name!r} listed twice")

@@ -164,7 +164,7 @@ class StepReader:
 
     def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
         """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
-        the size and (with ``verify``) CRC32C checks. A missing blob is damage to this
+        the size and (with ``verify``) digest checks: the name is the XXH3-128 of the bytes. A missing blob is damage to this
         checkpoint (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
         import math
 
@@ -199,11 +199,12 @@ class StepReader:
                 f"{at} (used by {self.where}): listed in the manifest but missing"
             ) from None
         if self.verify:
-            actual = crc32c(view)
-            if actual != entry.crc32c:
+            from checkpointd.digest import blob_name
+
+            actual = blob_name(view)
+            if actual != blob:
                 raise CorruptCheckpointError(
-                    f"{at} (used by {self.where}): CRC32C {actual:08x} does not match the "
-                    f"manifest's {entry.crc32c:08x}"
+                    f"{at} (used by {self.where}): its bytes hash to {actual}, not its name"
                 )
         return data.view(dtype).view(shape)
 
@@ -215,12 +216,17 @@ class StepReader:
         return self._verify_path(f"{self.folder}/{entry.path}", entry.size, entry.crc32c, progress)
 
     def verify_blob(self, entry: BlobEntry, progress: Progress | None = None) -> str | None:
-        """As ``verify_file``, for a shared blob the checkpoint uses."""
-        return self._verify_path(blob_path(entry.name), entry.size, entry.crc32c, progress)
+        """As ``verify_file``, for a shared blob the checkpoint uses: its bytes must hash
+        (XXH3-128) to its name."""
+        return self._verify_path(blob_path(entry.name), entry.size, entry.name, progress)
 
     def _verify_path(
-        self, path: str, expected_size: int, expected_crc: int, progress: Progress | None
+        self, path: str, expected_size: int, expected: int | str, progress: Progress | None
     ) -> str | None:
+        """Size, then CRC32C (``expected`` an int) or blob name (a str) of ``path``."""
+        from checkpointd.digest import BlobHasher
+
+        hasher = BlobHasher() if isinstance(expected, str) else None
         try:
             size = self.store.size(path)
             if size != expected_size:
@@ -231,13 +237,19 @@ class StepReader:
             for offset in range(0, size, chunk):
                 view = memoryview(buffer)[: min(chunk, size - offset)]
                 self.store.read_into(path, view, offset)
-                digest = crc32c(view, digest)
+                if hasher is not None:
+                    hasher.update(view)
+                else:
+                    digest = crc32c(view, digest)
                 if progress is not None:
                     progress(len(view))
         except StorageNotFoundError:
             return "listed in the manifest but missing"
-        if digest != expected_crc:
-            return f"CRC32C {digest:08x} does not match the manifest's {expected_crc:08x}"
+        if hasher is not None:
+            name = hasher.name()
+            return None if name == expected else f"its bytes hash to {name}, not its name"
+        if digest != expected:
+            return f"CRC32C {digest:08x} does not match the manifest's {expected:08x}"
         return None
 
 
@@ -247,10 +259,10 @@ def verify_step(
     manifest: Manifest,
     progress: Progress | None = None,
     *,
-    seen: dict[tuple[str, int, int], str | None] | None = None,
+    seen: dict[tuple[str, int], str | None] | None = None,
 ) -> list[str]:
-    """Check every file and shared blob of a committed step (sizes and CRC32C); one line
-    per bad file or blob.
+    """Check every file and shared blob of a committed step (sizes, CRC32C of files,
+    XXH3-128 of blobs against their names); one line per bad file or blob.
 
     ``seen`` caches blob results across calls (a blob shared by many checkpoints is
     read once); a bad blob is reported again for every checkpoint that uses it.
@@ -262,7 +274,7 @@ def verify_step(
         if problem is not None:
             bad.append(f"{reader.where}/{entry.path}: {problem}")
     for blob in manifest.blobs:
-        key = (blob.name, blob.size, blob.crc32c)
+        key = (blob.name, blob.size)
         if seen is not None and key in seen:
             problem = seen[key]
         else:

@@ -41,7 +41,7 @@ def _manifest(**changes: object) -> Manifest:
             )
         },
         files=[FileEntry("model.tree.msgpack", 10, 7)],
-        blobs=[BlobEntry(BLOB, 64, 5, written=True)],
+        blobs=[BlobEntry(BLOB, 64, written=True)],
     )
     return msgspec.structs.replace(base, **changes)
 
@@ -51,7 +51,7 @@ def test_a_manifest_with_refs_round_trips_and_counts_its_bytes() -> None:
     assert manifest.components["model"].refs["w"].blob == BLOB
     assert manifest.nbytes == 10 + 64
     assert manifest.referenced_nbytes == 0
-    referencing = _manifest(blobs=[BlobEntry(BLOB, 64, 5, written=False)])
+    referencing = _manifest(blobs=[BlobEntry(BLOB, 64, written=False)])
     assert decode_manifest(encode_manifest(referencing)).referenced_nbytes == 64
 
 
@@ -59,10 +59,10 @@ def test_a_manifest_with_refs_round_trips_and_counts_its_bytes() -> None:
     ("changes", "match"),
     [
         ({"blobs": []}, "unlisted blob"),
-        ({"blobs": [BlobEntry("../../etc/passwd", 64, 5)]}, "invalid blob entry"),
-        ({"blobs": [BlobEntry(BLOB.upper(), 64, 5)]}, "invalid blob entry"),
-        ({"blobs": [BlobEntry(BLOB, 64, 5), BlobEntry(BLOB, 64, 5)]}, "listed twice"),
-        ({"blobs": [BlobEntry(BLOB, -1, 5)]}, "invalid blob entry"),
+        ({"blobs": [BlobEntry("../../etc/passwd", 64)]}, "invalid blob entry"),
+        ({"blobs": [BlobEntry(BLOB.upper(), 64)]}, "invalid blob entry"),
+        ({"blobs": [BlobEntry(BLOB, 64), BlobEntry(BLOB, 64)]}, "listed twice"),
+        ({"blobs": [BlobEntry(BLOB, -1)]}, "invalid blob entry"),
         ({"schema_version": 1}, "schema_version 1"),
     ],
 )
