@@ -32,15 +32,17 @@ class GcPlan:
     retention: RetentionPlan
     leftovers: list[Leftover]
     problems: list[str]
-    shared_freed: int = 0
-    """Bytes of shared blobs that only the deleted checkpoints use (incremental saves)."""
+    checkpoint_bytes: int | None = None
+    """Bytes deleting the checkpoints frees: their own files and the shared blobs only
+    they use (None: the sum of their sizes, as without shared blobs)."""
 
     @property
     def freed(self) -> int:
-        """Bytes that applying the plan removes: a deleted checkpoint's own files, the
-        blobs only deleted checkpoints use, and the leftovers."""
-        own = sum(v.written_nbytes for v in self.retention.delete)
-        return own + self.shared_freed + sum(x.nbytes for x in self.leftovers)
+        """Bytes that applying the plan removes."""
+        own = self.checkpoint_bytes
+        if own is None:
+            own = sum(v.nbytes for v in self.retention.delete)
+        return own + sum(x.nbytes for x in self.leftovers)
 
 
 def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
@@ -52,8 +54,9 @@ def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPl
     doomed = {v.step for v in retention.delete}
     kept = {b.name for s, m in found if s not in doomed for b in m.blobs}
     dropped = {(b.name, b.size) for s, m in found if s in doomed for b in m.blobs}
-    shared = sum(size for name, size in dropped if name not in kept)
-    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, shared)
+    files = sum(f.size for s, m in found if s in doomed for f in m.files)
+    freed = files + sum(size for name, size in dropped if name not in kept)
+    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, freed)
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:

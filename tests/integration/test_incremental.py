@@ -75,6 +75,16 @@ def _blobs(store: Store) -> set[str]:
     return {n for n in store.list_dir(BLOBS_DIR) if is_blob_name(n)}
 
 
+def _stored_bytes(store: Store) -> int:
+    """Bytes of every file in step folders and in the blob folder (manifests excluded)."""
+    total = 0
+    for folder in store.list_dir(""):
+        if folder == BLOBS_DIR or folder.isdigit():
+            names = [n for n in store.list_dir(folder) if n != "manifest.json"]
+            total += sum(store.size(f"{folder}/{n}") for n in names)
+    return total
+
+
 def _used(store: Store) -> set[str]:
     return {b.name for _, m in catalog.committed(store) for b in m.blobs}
 
@@ -189,7 +199,9 @@ def test_gc_removes_orphan_blobs_but_never_one_a_manifest_uses(
     sink.commit()
     plan = plan_gc(store, RetentionPolicy(keep_last=1), older_than=0.0)
     assert [x.path for x in plan.leftovers if x.kind == "blob"] == [blob_path(orphan)]
+    before = _stored_bytes(store)
     apply_gc(store, plan)
+    assert before - _stored_bytes(store) == plan.freed  # shared blobs steps 3 uses not counted
     assert [s for s, _ in catalog.committed(store)] == [3]
     assert _blobs(store) == _used(store)
     loaded = checkpointd.load(any_root.url, storage_options=any_root.storage_options)
