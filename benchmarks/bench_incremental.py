@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cases", nargs="+", choices=("lora", "changing"), default=["lora", "changing"]
     )
+    parser.add_argument("--plot", help="also draw the figures into this PNG file")
     args = parser.parse_args(argv)
     if args.smoke:
         args.base_mb, args.adapter_mb, args.changing_mb, args.saves = 8, 0.5, 4, 3
@@ -207,7 +208,36 @@ def main(argv: list[str] | None = None) -> int:
     log("goals: " + "; ".join(goals))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        log(f"plot: {plot(results, Path(args.plot))}")
     return 0
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Per save: MB written and durable seconds, full against incremental, for each case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [name for name in ("lora", "changing") if name in results]
+    fig, axes = plt.subplots(len(cases), 2, figsize=(10, 3.2 * len(cases)), squeeze=False)
+    for row, name in zip(axes, cases, strict=True):
+        for kind, style in (("full", "o-"), ("incremental", "s-")):
+            rows = results[name]["rows"][kind]
+            steps = [r["step"] for r in rows]
+            row[0].plot(steps, [r["written"] / MB for r in rows], style, label=kind)
+            row[1].plot(steps, [r["durable_s"] for r in rows], style, label=kind)
+        row[0].set_yscale("log")
+        row[0].set_title(f"{name}: MB written per save")
+        row[1].set_title(f"{name}: durable seconds per save")
+        for ax in row:
+            ax.set_xlabel("save")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ def test_benchmark_suite_smoke(tmp_path: Path) -> None:
 def test_incremental_benchmark_smoke(tmp_path: Path) -> None:
     from benchmarks import bench_incremental
 
-    out = tmp_path / "incremental.json"
-    assert bench_incremental.main(["--smoke", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    out, png = tmp_path / "incremental.json", tmp_path / "incremental.png"
+    args = ["--smoke", "--dir", str(tmp_path), "--json", str(out), "--plot", str(png)]
+    assert bench_incremental.main(args) == 0
+    assert png.stat().st_size > 0
     results = json.loads(out.read_text())
     lora = results["lora"]
     # The frozen base is referenced, not written again: only the changing bytes are.
