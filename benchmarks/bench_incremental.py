@@ -228,7 +228,11 @@ def plot(results: dict[str, Any], path: Path) -> Path:
             steps = [r["step"] for r in rows]
             row[0].plot(steps, [r["written"] / MB for r in rows], style, label=kind)
             row[1].plot(steps, [r["durable_s"] for r in rows], style, label=kind)
-        row[0].set_yscale("log")
+        if name == "lora":
+            row[0].set_yscale("log")
+        else:
+            row[0].set_ylim(bottom=0)
+        row[1].set_ylim(bottom=0)
         row[0].set_title(f"{name}: MB written per save")
         row[1].set_title(f"{name}: durable seconds per save")
         for ax in row:
