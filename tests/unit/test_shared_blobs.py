@@ -10,7 +10,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
+import checkpointd
+from checkpointd import tunables
+from checkpointd.catalog import read_manifest
 from checkpointd.cleanup import remove_leftovers, scan_leftovers
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.layout import blob_path, is_blob_name
@@ -118,3 +122,33 @@ def test_gc_keeps_an_orphan_blob_written_again_since_its_scan(tmp_path: Path) ->
     os.utime(path, (old, old))
     remove_leftovers(store, found)
     assert not path.exists()
+
+
+def _tampered(root: Path, **component_changes: object) -> None:
+    """Rewrite step 1's manifest (with a valid digest) with the model's entry changed."""
+    store = LocalStore(str(root))
+    manifest = read_manifest(store, 1)
+    entry = msgspec.structs.replace(manifest.components["model"], **component_changes)
+    changed = msgspec.structs.replace(manifest, components={"model": entry})
+    (root / "000000000001" / "manifest.json").write_bytes(encode_manifest(changed))
+
+
+@pytest.mark.parametrize("damage", ["shape", "dtype", "twice"])
+def test_a_ref_that_contradicts_its_blob_is_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    monkeypatch.setattr(tunables, "INCREMENTAL_MIN_BYTES", 1024)
+    state = {"model": {"w": torch.ones(32, 32), "tiny": torch.ones(2)}}
+    with checkpointd.CheckpointWriter(str(tmp_path), incremental=True) as writer:
+        writer.save(1, state).result()
+    manifest = read_manifest(LocalStore(str(tmp_path)), 1)
+    ref = manifest.components["model"].refs["w"]
+    if damage == "shape":
+        refs = {"w": msgspec.structs.replace(ref, shape=[32, 16])}
+    elif damage == "dtype":
+        refs = {"w": msgspec.structs.replace(ref, dtype="NOPE")}
+    else:
+        refs = {"w": ref, "tiny": ref}  # "tiny" is in the tensor file too
+    _tampered(tmp_path, refs=refs)
+    with pytest.raises(CorruptCheckpointError):
+        checkpointd.load(str(tmp_path), 1)
