@@ -5,8 +5,8 @@ a dead writer left can collide with a live one; leftovers are found by age
 alone. ``scan_leftovers`` lists, without changing anything: step folders with
 no manifest (saves that never committed), ``*.tmp-*`` files and files the
 manifest does not reference in committed folders (a losing or dead attempt's
-files, ``writer.lock`` of older versions), and incomplete multipart uploads
-under the root. Only what nothing has modified for ``older_than`` seconds is
+files, ``writer.lock`` of older versions), shared blobs no manifest uses and pins
+of dead saves (shared.find_orphans), and incomplete multipart uploads under the root. Only what nothing has modified for ``older_than`` seconds is
 listed, so a live save (or a losing one still cleaning up) is never raced; a
 step folder is dated by its own modification time as well as by its files.
 What it cannot list it skips and names in ``problems``. ``remove_leftovers``
@@ -25,6 +25,7 @@ from typing import Literal
 from checkpointd.catalog import read_manifest, step_folders
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.layout import MANIFEST_NAME, is_temp_name, step_dirname
+from checkpointd.shared import find_orphans
 from checkpointd.storage import PendingUpload, Store
 from checkpointd.tunables import GC_OLDER_THAN
 
@@ -41,7 +42,7 @@ __all__ = [
 DEFAULT_OLDER_THAN = GC_OLDER_THAN
 """A suggested ``older_than`` for tools (tunables.GC_OLDER_THAN)."""
 
-LeftoverKind = Literal["uncommitted", "temp", "unreferenced", "upload"]
+LeftoverKind = Literal["uncommitted", "temp", "unreferenced", "upload", "blob", "pin"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,14 @@ def scan_leftovers(store: Store, *, older_than: float) -> LeftoverScan:
         except StorageError as exc:
             scan.problems.append(f"could not scan step folder {step_dirname(step)}: {exc}")
     try:
+        orphans, problems = find_orphans(store, older_than=older_than)
+    except StorageError as exc:
+        orphans, problems = [], [f"could not scan shared blobs, so none are removed: {exc}"]
+    scan.problems.extend(problems)
+    for orphan in orphans:
+        kind: LeftoverKind = "blob" if orphan.kind == "blob" else "pin"
+        scan.leftovers.append(Leftover(kind, orphan.path, orphan.nbytes, orphan.age))
+    try:
         uploads = store.pending_uploads()
     except StorageError as exc:
         scan.problems.append(f"could not list incomplete uploads, so none are removed: {exc}")
@@ -181,6 +190,13 @@ def remove_leftovers(store: Store, leftovers: Iterable[Leftover]) -> None:
         if leftover.kind == "upload":
             assert leftover.upload is not None
             store.abort_upload(leftover.upload)
+        elif leftover.kind == "blob":
+            # A save may have written the same bytes again since the scan: then it is
+            # younger now than it was then, and it stays.
+            modified = _file_info(store, leftover.path)
+            if modified is None or _age(time.time(), modified[1]) < leftover.age:
+                continue
+            store.remove_file(leftover.path)
         elif leftover.kind == "uncommitted":
             if store.exists(f"{leftover.path}/{MANIFEST_NAME}"):
                 continue

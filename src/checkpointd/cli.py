@@ -63,11 +63,27 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return _ls_verified(args)
     infos = list_checkpoints(args.root, storage_options=storage_options(args))
     if args.json:
-        rows = [msgspec.to_builtins(info) for info in infos]
+        rows = [
+            {**msgspec.to_builtins(info), "written_nbytes": info.written_nbytes} for info in infos
+        ]
         print(json.dumps(rows, indent=None))
         return 0
     if not infos:
         print(f"no committed checkpoints under {args.root}")
+        return 0
+    if any(info.referenced_nbytes for info in infos):
+        # Incremental saves: how much each save wrote, and how much it references.
+        print(
+            f"{'step':>12}  {'created (UTC)':<19}  {'size':>10}  {'written':>10}  "
+            f"{'referenced':>10}  metrics"
+        )
+        for info in infos:
+            created = info.created_at.strftime("%Y-%m-%d %H:%M:%S")
+            print(
+                f"{info.step:>12}  {created:<19}  {size_text(info.nbytes):>10}  "
+                f"{size_text(info.written_nbytes):>10}  {size_text(info.referenced_nbytes):>10}  "
+                f"{metrics_text(info.metrics)}"
+            )
         return 0
     print(f"{'step':>12}  {'created (UTC)':<19}  {'size':>10}  metrics")
     for info in infos:
@@ -88,6 +104,7 @@ def _ls_verified(args: argparse.Namespace) -> int:
     from checkpointd.reader import verify_step
 
     rows: list[tuple[int, CheckpointInfo | None, list[str]]] = []
+    seen: dict[tuple[str, int], str | None] = {}  # shared blobs: read once
 
     def unreadable(step: int, exc: CheckpointError) -> None:
         rows.append((step, None, [f"manifest: {exc}"]))
@@ -95,7 +112,7 @@ def _ls_verified(args: argparse.Namespace) -> int:
     with _open(args) as store:
         for step, manifest in scan(store, newest_first=False, on_damaged=unreadable):
             found = CheckpointInfo.from_manifest(manifest, step_path(store, step))
-            rows.append((step, found, verify_step(store, step, manifest)))
+            rows.append((step, found, verify_step(store, step, manifest, seen=seen)))
     rows.sort(key=lambda row: row[0])
     damaged = any(bad for _, _, bad in rows)
     if args.json:
@@ -151,6 +168,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"(schema {info['schema_version']}, checkpointd {info['library_version']}, "
         f"world size {info['world_size']})"
     )
+    if info["blobs"]:
+        print(
+            f"  shared    {len(info['blobs'])} blobs: this save wrote "
+            f"{size_text(info['written_nbytes'])}, references "
+            f"{size_text(info['referenced_nbytes'])} stored by earlier saves"
+        )
     print(f"  metrics   {metrics_text(info['metrics']) or '-'}")
     print(f"  metadata  {json.dumps(info['metadata']) if info['metadata'] else '-'}")
     for name, entry in info["specs"].items():
@@ -174,6 +197,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for f in info["files"]:
         rank = f"  rank {f['rank']}" if info["world_size"] > 1 else ""
         print(f"  {f['path']:<{width}}  {f['size']:>10}  crc32c {f['crc32c']}{rank}")
+    if info["blobs"]:
+        print("\nshared blobs")
+        for b in info["blobs"]:
+            how = "written" if b["written"] else "referenced"
+            print(f"  {b['path']}  {b['size']:>10}  {how}")
     return 0
 
 
@@ -203,20 +231,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from checkpointd.reader import verify_step
 
     checked = done = 0
+    seen: dict[tuple[str, int], str | None] = {}  # a shared blob is read once
     with _open(args) as store:
         targets, failures = _verify_targets(store, args)
         mode: Literal["auto", "always", "never"] = (
             "always" if args.progress else "never" if args.no_progress else "auto"
         )
-        with progress_bar(sum(m.nbytes for _, m in targets), mode, sys.stderr) as bar:
+        unique = {(b.name, b.size): b.size for _, m in targets for b in m.blobs}
+        total = sum(f.size for _, m in targets for f in m.files) + sum(unique.values())
+        with progress_bar(total, mode, sys.stderr) as bar:
             for step, manifest in targets:
-                bad = verify_step(store, step, manifest, bar.update)
+                bad = verify_step(store, step, manifest, bar.update, seen=seen)
                 checked += 1
                 done += manifest.nbytes
                 status = "ok" if not bad else f"FAILED ({len(bad)} bad file(s))"
                 say(
                     bar,
-                    f"step {step}: {len(manifest.files)} files, {size_text(manifest.nbytes)}: {status}",
+                    f"step {step}: {len(manifest.files)} files"
+                    + (f" + {len(manifest.blobs)} shared blobs" if manifest.blobs else "")
+                    + f", {size_text(manifest.nbytes)}: {status}",
                 )
                 for line in bad:
                     say(bar, f"  bad file {line}")

@@ -164,7 +164,7 @@ async def commit_plan(
     try:
         await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
         manifest = Manifest(
-            schema_version=schema_for(plan.components),
+            schema_version=schema_for(plan.components, plan.blobs),
             step=step,
             created_at=plan.created_at,
             library_version=__version__,
@@ -174,6 +174,7 @@ async def commit_plan(
             metadata=plan.metadata,
             specs=plan.specs,
             writer="" if identity is None else identity.id,
+            blobs=plan.blobs,
         )
         await publish_manifest(store, manifest, limiter)
     except BaseException:

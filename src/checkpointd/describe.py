@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from checkpointd import catalog
+from checkpointd.layout import blob_path
 from checkpointd.reader import StepReader
 from checkpointd.storage import Store
 
@@ -33,8 +34,11 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
     Unlike ``load``, a newest manifest that is damaged raises here instead of being
     skipped: this is the tool that should show it.
     """
+    from checkpointd.header import DTYPES_BY_CODE
+
     found, manifest = catalog.resolve(store, step, on_damaged=catalog.raise_damaged)
     reader = StepReader(store, found, manifest)
+    blobs = {b.name: b for b in manifest.blobs}
     components: dict[str, Any] = {}
     for name, entry in manifest.components.items():
         tensors: list[dict[str, Any]] = []
@@ -69,6 +73,19 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
                     ],
                 }
             )
+        tensors.extend(
+            {
+                "name": tensor,
+                "dtype": str(DTYPES_BY_CODE[ref.dtype]).removeprefix("torch.")
+                if ref.dtype in DTYPES_BY_CODE
+                else ref.dtype,
+                "shape": list(ref.shape),
+                "nbytes": blobs[ref.blob].size,
+                "file": blob_path(ref.blob),
+                "shared": True,
+            }
+            for tensor, ref in entry.refs.items()
+        )
         components[name] = {
             "tree": entry.tree,
             "tensor_files": list(entry.tensors),
@@ -80,6 +97,8 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         "path": reader.where,
         "created_at": manifest.created_at.isoformat(),
         "nbytes": manifest.nbytes,
+        "written_nbytes": manifest.nbytes - manifest.referenced_nbytes,
+        "referenced_nbytes": manifest.referenced_nbytes,
         "schema_version": manifest.schema_version,
         "library_version": manifest.library_version,
         "world_size": manifest.world_size,
@@ -91,5 +110,13 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         "files": [
             {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}", "rank": f.rank}
             for f in manifest.files
+        ],
+        "blobs": [
+            {
+                "path": blob_path(b.name),
+                "size": b.size,
+                "written": b.written,
+            }
+            for b in manifest.blobs
         ],
     }

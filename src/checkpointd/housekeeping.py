@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from checkpointd import catalog
 from checkpointd.cleanup import Leftover, remove_leftovers, scan_leftovers
 from checkpointd.manifest import CheckpointInfo
-from checkpointd.retention import RetentionPlan, RetentionPolicy, delete_checkpoint, plan_retention
+from checkpointd.retention import (
+    RetentionPlan,
+    RetentionPolicy,
+    delete_checkpoints,
+    plan_retention,
+)
 from checkpointd.storage import Store
 
 __all__ = ["GcPlan", "apply_gc", "plan_gc"]
@@ -27,22 +32,35 @@ class GcPlan:
     retention: RetentionPlan
     leftovers: list[Leftover]
     problems: list[str]
+    checkpoint_bytes: int | None = None
+    """Bytes deleting the checkpoints frees: their own files and the shared blobs only
+    they use (None: the sum of their sizes, as without shared blobs)."""
 
     @property
     def freed(self) -> int:
         """Bytes that applying the plan removes."""
-        return sum(v.nbytes for v in self.retention.delete) + sum(x.nbytes for x in self.leftovers)
+        own = self.checkpoint_bytes
+        if own is None:
+            own = sum(v.nbytes for v in self.retention.delete)
+        return own + sum(x.nbytes for x in self.leftovers)
 
 
 def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
     """Plan a collection: reads every manifest, lists leftovers untouched ``older_than`` s."""
-    checkpoints = catalog.infos(store)
+    found = catalog.committed(store)
+    checkpoints = [CheckpointInfo.from_manifest(m, catalog.step_path(store, s)) for s, m in found]
     scan = scan_leftovers(store, older_than=older_than)
-    return GcPlan(checkpoints, plan_retention(checkpoints, policy), scan.leftovers, scan.problems)
+    retention = plan_retention(checkpoints, policy)
+    doomed = {v.step for v in retention.delete}
+    kept = {b.name for s, m in found if s not in doomed for b in m.blobs}
+    dropped = {(b.name, b.size) for s, m in found if s in doomed for b in m.blobs}
+    files = sum(f.size for s, m in found if s in doomed for f in m.files)
+    freed = files + sum(size for name, size in dropped if name not in kept)
+    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, freed)
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:
-    """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then leftovers."""
-    for victim in plan.retention.delete:
-        delete_checkpoint(store, victim.step)
+    """Delete what ``plan`` lists: checkpoints oldest first (each manifest first), then the
+    shared blobs only they used, then leftovers."""
+    delete_checkpoints(store, [victim.step for victim in plan.retention.delete])
     remove_leftovers(store, plan.leftovers)

@@ -12,13 +12,18 @@ import re
 from checkpointd.errors import UnsupportedValueError
 
 __all__ = [
+    "BLOBS_DIR",
+    "BLOB_PREFIX",
     "DIRECT_ALIGN",
     "HEADER_ALIGN",
     "MANIFEST_NAME",
     "MAX_STEP",
+    "PINS_DIR",
     "REGION_ALIGN",
     "TEMP_MARKER",
+    "blob_path",
     "check_component_name",
+    "is_blob_name",
     "is_component_name",
     "is_safe_file_name",
     "is_step",
@@ -107,6 +112,26 @@ def shard_file_name(component: str, token: str, rank: int) -> str:
     """File name of the shards rank ``rank`` stores of a component's sharded tensors:
     ``C.T.rankR.safetensors``."""
     return f"{component}.{token}.rank{rank}.safetensors"
+
+
+# --- shared blobs (incremental saves) ------------------------------------------
+
+BLOBS_DIR = "blobs"
+"""Folder under the root of content-addressed tensor bytes, shared by checkpoints."""
+PINS_DIR = "pins"
+"""Folder under the root where saves in flight name the blobs they may reference."""
+BLOB_PREFIX = "xxh128-"
+_BLOB_NAME = re.compile(r"xxh128-[0-9a-f]{32}\Z")
+
+
+def is_blob_name(name: object) -> bool:
+    """True for a blob name: ``xxh128-`` and 32 lowercase hex digits."""
+    return isinstance(name, str) and bool(_BLOB_NAME.match(name))
+
+
+def blob_path(name: str) -> str:
+    """The path of blob ``name`` relative to the root."""
+    return f"{BLOBS_DIR}/{name}"
 
 
 # --- alignment ---------------------------------------------------------------

@@ -13,7 +13,7 @@ older ones through ``_MIGRATIONS``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -25,7 +25,13 @@ from checkpointd.errors import (
     IncompatibleCheckpointError,
     UnsupportedValueError,
 )
-from checkpointd.layout import MANIFEST_NAME, is_component_name, is_safe_file_name, step_dirname
+from checkpointd.layout import (
+    MANIFEST_NAME,
+    is_blob_name,
+    is_component_name,
+    is_safe_file_name,
+    step_dirname,
+)
 from checkpointd.tunables import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES
 
 __all__ = [
@@ -33,6 +39,8 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "SCHEMA_VERSION",
+    "BlobEntry",
+    "BlobRef",
     "CheckpointInfo",
     "ComponentEntry",
     "FileEntry",
@@ -50,8 +58,9 @@ __all__ = [
 
 SCHEMA_VERSION = 2
 """The newest schema this version reads. A checkpoint is written with the oldest schema
-that describes it: 2 only if a component holds sharded tensors (``ComponentEntry.sharded``),
-which a version-1 reader would misread as missing tensors; 1 otherwise."""
+that describes it: 2 only if a component holds sharded tensors (``ComponentEntry.sharded``)
+or references shared blobs (``Manifest.blobs``), which a version-1 reader would misread;
+1 otherwise."""
 FORMAT_NAME = "checkpointd"
 
 _T = TypeVar("_T")
@@ -90,15 +99,37 @@ class ShardedTensor(msgspec.Struct, frozen=True):
     shards: list[ShardEntry]
 
 
+class BlobRef(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A tensor stored as a shared blob (incremental saves): its blob, dtype code and shape."""
+
+    blob: str
+    dtype: str
+    shape: list[int]
+
+
+class BlobEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One shared blob a checkpoint uses (``blobs/NAME`` under the root).
+
+    No CRC32C: the name is the XXH3-128 digest of the bytes, which readers check.
+    ``written``: this save wrote it; False when it references bytes an earlier save stored.
+    """
+
+    name: str
+    size: int
+    written: bool = False
+
+
 class ComponentEntry(msgspec.Struct, frozen=True):
-    """Where one component lives: its tree file, its tensor files, and its sharded tensors
-    (schema 2; each shard's file is listed in ``Manifest.files`` too)."""
+    """Where one component lives: its tree file, its tensor files, its sharded tensors
+    (many ranks; each shard's file is listed in ``Manifest.files`` too) and the tensors
+    stored as shared blobs (incremental saves). The last two are schema 2."""
 
     tree: str
     tensors: list[str] = msgspec.field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
     sharded: dict[str, ShardedTensor] = msgspec.field(default_factory=dict)
+    refs: dict[str, BlobRef] = msgspec.field(default_factory=dict)
 
 
 class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -140,10 +171,18 @@ class Manifest(msgspec.Struct, frozen=True):
     """A per-rank component's name -> the components holding each rank's state, by rank
     (``NAME-rankR``); those are ordinary components to a reader that ignores this field."""
 
+    blobs: list[BlobEntry] = msgspec.field(default_factory=list)
+    """Shared blobs the checkpoint uses (schema 2, incremental saves); see docs/format.md."""
+
     @property
     def nbytes(self) -> int:
-        """Total size of the component files (the manifest itself excluded)."""
-        return sum(f.size for f in self.files)
+        """Total size of the files and blobs it uses (the manifest itself excluded)."""
+        return sum(f.size for f in self.files) + sum(b.size for b in self.blobs)
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of the blobs it uses that an earlier save wrote (not written by this save)."""
+        return sum(b.size for b in self.blobs if not b.written)
 
 
 class _Version(msgspec.Struct):
@@ -157,9 +196,11 @@ _MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _DECODED_AS_IS = frozenset({1, 2})
 
 
-def schema_for(components: Mapping[str, ComponentEntry]) -> int:
-    """The schema version a manifest with these components is written with."""
-    return 2 if any(entry.sharded for entry in components.values()) else 1
+def schema_for(components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = ()) -> int:
+    """The schema version a manifest with these components and shared blobs is written with."""
+    if blobs or any(entry.sharded or entry.refs for entry in components.values()):
+        return 2
+    return 1
 
 
 def too_deep(value: Any) -> bool:
@@ -291,6 +332,7 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
         for tensor, sharded in component.sharded.items():
             if problem := shard_problem(sharded, listed):
                 raise CorruptCheckpointError(f"{where}: sharded tensor {name}/{tensor}: {problem}")
+    _check_blobs(manifest, where)
     for name, keys in manifest.per_rank.items():
         if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
             raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
@@ -341,6 +383,26 @@ def _overlap(a: ShardEntry, b: ShardEntry) -> bool:
     )
 
 
+def _check_blobs(manifest: Manifest, where: str) -> None:
+    """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted blobs."""
+    blobs: set[str] = set()
+    for blob in manifest.blobs:
+        if not is_blob_name(blob.name) or blob.size < 0:
+            raise CorruptCheckpointError(f"{where}: invalid blob entry {blob.name!r}")
+        if blob.name in blobs:
+            raise CorruptCheckpointError(f"{where}: blob {blob.name!r} listed twice")
+        blobs.add(blob.name)
+    if blobs and manifest.schema_version < 2:
+        raise CorruptCheckpointError(f"{where}: blobs in a schema_version 1 manifest")
+    for name, component in manifest.components.items():
+        for tensor, ref in component.refs.items():
+            if ref.blob not in blobs:
+                raise CorruptCheckpointError(
+                    f"{where}: component {name!r} tensor {tensor!r} refers to unlisted blob "
+                    f"{ref.blob!r}"
+                )
+
+
 class CheckpointInfo(msgspec.Struct, frozen=True):
     """What a committed checkpoint is: returned by saves, listings and loads."""
 
@@ -351,6 +413,13 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     components: tuple[str, ...]
+    referenced_nbytes: int = 0
+    """Of ``nbytes``, the bytes of shared blobs an earlier save wrote (incremental saves)."""
+
+    @property
+    def written_nbytes(self) -> int:
+        """Bytes this checkpoint's save wrote: ``nbytes`` less what it references."""
+        return self.nbytes - self.referenced_nbytes
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, path: str) -> CheckpointInfo:
@@ -363,4 +432,5 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
             metrics=manifest.metrics,
             metadata=manifest.metadata,
             components=tuple(manifest.components),
+            referenced_nbytes=manifest.referenced_nbytes,
         )

@@ -34,7 +34,7 @@ from checkpointd.layout import (
     tensor_file_name,
     tree_file_name,
 )
-from checkpointd.manifest import ComponentEntry, ShardedTensor, ShardEntry, SpecEntry
+from checkpointd.manifest import BlobEntry, ComponentEntry, ShardedTensor, ShardEntry, SpecEntry
 from checkpointd.tunables import DIRECT_MIN_BYTES, SHARD_BLOCK_BYTES
 
 __all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_snapshot"]
@@ -98,6 +98,9 @@ class SavePlan:
     specs: dict[str, SpecEntry] = field(default_factory=dict)
     per_rank: dict[str, str] = field(default_factory=dict)
     """As ``Snapshot.per_rank``: these components are this rank's alone."""
+    blobs: list[BlobEntry] = field(default_factory=list)
+    """Shared blobs the manifest lists (incremental saves: incremental.py writes them
+    before the commit; ``commit_plan`` only records them)."""
 
 
 def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:

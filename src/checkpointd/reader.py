@@ -21,8 +21,10 @@ from checkpointd.errors import (
     CorruptCheckpointError,
     StorageNotFoundError,
 )
+from checkpointd.layout import blob_path
 from checkpointd.manifest import (
     MANIFEST_NAME,
+    BlobEntry,
     ComponentEntry,
     FileEntry,
     Manifest,
@@ -55,6 +57,7 @@ class StepReader:
         self.folder = step_dirname(step)
         self.where = catalog.step_path(store, step)
         self.files: dict[str, FileEntry] = {f.path: f for f in manifest.files}
+        self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
 
     def _size(self, name: str) -> int:
@@ -230,29 +233,94 @@ class StepReader:
         offset = flat.storage_offset() + first - begin // size
         return flat.as_strided(part[1], strides, offset)
 
+    def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
+        """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
+        the size and (with ``verify``) digest checks: the name is the XXH3-128 of the bytes. A missing blob is damage to this
+        checkpoint (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
+        import math
+
+        import torch
+
+        from checkpointd.header import DTYPES_BY_CODE, shape_fits
+
+        entry = self.blobs[blob]
+        at = f"{self.store.url.rstrip('/')}/{blob_path(blob)}"
+        dtype = DTYPES_BY_CODE.get(code)
+        if dtype is None or not shape_fits(shape):
+            raise CorruptCheckpointError(f"{self.where}: bad dtype or shape for {tensor!r}")
+        if math.prod(shape) * dtype.itemsize != entry.size:
+            raise CorruptCheckpointError(
+                f"{self.where}: {tensor!r} needs {math.prod(shape) * dtype.itemsize} bytes, "
+                f"blob {blob} is listed with {entry.size}"
+            )
+        try:
+            size = self.store.size(blob_path(blob))
+            if size != entry.size:
+                raise CorruptCheckpointError(
+                    f"{at} (used by {self.where}): size {size} does not match the manifest's "
+                    f"{entry.size}"
+                )
+            data = torch.empty(size, dtype=torch.uint8)
+            view = data.numpy().data.cast("B")
+            self.store.read_into(blob_path(blob), view)
+        except StorageNotFoundError:
+            if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
+                raise self._vanished(blob) from None
+            raise CorruptCheckpointError(
+                f"{at} (used by {self.where}): listed in the manifest but missing"
+            ) from None
+        if self.verify:
+            from checkpointd.digest import blob_name
+
+            actual = blob_name(view)
+            if actual != blob:
+                raise CorruptCheckpointError(
+                    f"{at} (used by {self.where}): its bytes hash to {actual}, not its name"
+                )
+        return data.view(dtype).view(shape)
+
     def verify_file(self, entry: FileEntry, progress: Progress | None = None) -> str | None:
         """Stream every byte of one file through CRC32C; what is wrong with it, or None.
 
         Reads in ``tunables.READ_CHUNK_BYTES`` pieces (constant memory), calling ``progress`` after each.
         """
-        path = f"{self.folder}/{entry.path}"
+        return self._verify_path(f"{self.folder}/{entry.path}", entry.size, entry.crc32c, progress)
+
+    def verify_blob(self, entry: BlobEntry, progress: Progress | None = None) -> str | None:
+        """As ``verify_file``, for a shared blob the checkpoint uses: its bytes must hash
+        (XXH3-128) to its name."""
+        return self._verify_path(blob_path(entry.name), entry.size, entry.name, progress)
+
+    def _verify_path(
+        self, path: str, expected_size: int, expected: int | str, progress: Progress | None
+    ) -> str | None:
+        """Size, then CRC32C (``expected`` an int) or blob name (a str) of ``path``."""
+        from checkpointd.digest import BlobHasher
+
+        hasher = BlobHasher() if isinstance(expected, str) else None
         try:
             size = self.store.size(path)
-            if size != entry.size:
-                return f"size {size} does not match the manifest's {entry.size}"
+            if size != expected_size:
+                return f"size {size} does not match the manifest's {expected_size}"
             chunk = tunables.READ_CHUNK_BYTES
             buffer = bytearray(min(chunk, size))
             digest = 0
             for offset in range(0, size, chunk):
                 view = memoryview(buffer)[: min(chunk, size - offset)]
                 self.store.read_into(path, view, offset)
-                digest = crc32c(view, digest)
+                if hasher is not None:
+                    hasher.update(view)
+                else:
+                    digest = crc32c(view, digest)
                 if progress is not None:
                     progress(len(view))
         except StorageNotFoundError:
             return "listed in the manifest but missing"
-        if digest != entry.crc32c:
-            return f"CRC32C {digest:08x} does not match the manifest's {entry.crc32c:08x}"
+        if hasher is not None:
+            name = hasher.name()
+            return None if name == expected else f"its bytes hash to {name}, not its name"
+        if digest != expected:
+            return f"CRC32C {digest:08x} does not match the manifest's {expected:08x}"
         return None
 
 
@@ -274,10 +342,18 @@ class _ComponentTensors(Mapping[str, "torch.Tensor"]):
         self._plain: dict[str, torch.Tensor] | None = None
 
     def plain(self) -> dict[str, torch.Tensor]:
+        """The tensors of the component's tensor files and shared blobs, read on first use."""
         if self._plain is None:
-            self._plain = {}
+            plain: dict[str, torch.Tensor] = {}
             for tensor_file in self.entry.tensors:
-                self._plain.update(self.reader.tensors(tensor_file))
+                plain.update(self.reader.tensors(tensor_file))
+            for tensor, ref in self.entry.refs.items():
+                if tensor in plain:
+                    raise CorruptCheckpointError(
+                        f"{self.reader.where}: tensor {tensor!r} is both in a file and a blob"
+                    )
+                plain[tensor] = self.reader.blob_tensor(ref.blob, ref.dtype, ref.shape, tensor)
+            self._plain = plain
         return self._plain
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -306,13 +382,33 @@ class _ComponentTensors(Mapping[str, "torch.Tensor"]):
 
 
 def verify_step(
-    store: Store, step: int, manifest: Manifest, progress: Progress | None = None
+    store: Store,
+    step: int,
+    manifest: Manifest,
+    progress: Progress | None = None,
+    *,
+    seen: dict[tuple[str, int], str | None] | None = None,
 ) -> list[str]:
-    """Check every file of a committed step (sizes and CRC32C); one line per bad file."""
+    """Check every file and shared blob of a committed step (sizes, CRC32C of files,
+    XXH3-128 of blobs against their names); one line per bad file or blob.
+
+    ``seen`` caches blob results across calls (a blob shared by many checkpoints is
+    read once); a bad blob is reported again for every checkpoint that uses it.
+    """
     reader = StepReader(store, step, manifest)
     bad: list[str] = []
     for entry in manifest.files:
         problem = reader.verify_file(entry, progress)
         if problem is not None:
             bad.append(f"{reader.where}/{entry.path}: {problem}")
+    for blob in manifest.blobs:
+        key = (blob.name, blob.size)
+        if seen is not None and key in seen:
+            problem = seen[key]
+        else:
+            problem = reader.verify_blob(blob, progress)
+            if seen is not None:
+                seen[key] = problem
+        if problem is not None:
+            bad.append(f"{store.url.rstrip('/')}/{blob_path(blob.name)} (shared): {problem}")
     return bad

@@ -49,6 +49,7 @@ __all__ = [
     "WriterIdentity",
     "apply_retention",
     "delete_checkpoint",
+    "delete_checkpoints",
     "plan_retention",
 ]
 
@@ -235,6 +236,39 @@ def delete_checkpoint(store: Store, step: int) -> bool:
     return True
 
 
+def delete_checkpoints(
+    store: Store,
+    steps: Iterable[int],
+    manifests: Mapping[int, Manifest] | None = None,
+    known: dict[int, Manifest] | None = None,
+) -> list[int]:
+    """``delete_checkpoint`` each of ``steps`` in order, then the shared blobs that only
+    they used (shared.drop_blobs: after their manifests are gone, so a crash midway
+    loses nothing a committed checkpoint needs). ``manifests``: those already read;
+    ``known``: a manifest cache (catalog.scan).
+    Returns the steps deleted. Blocking; any thread.
+    """
+    from checkpointd.catalog import read_manifest
+    from checkpointd.errors import CheckpointError
+    from checkpointd.shared import drop_blobs
+
+    deleted: list[int] = []
+    dropped: list[Manifest] = []
+    for step in steps:
+        manifest = (manifests or {}).get(step)
+        if manifest is None:
+            try:
+                manifest = read_manifest(store, step)
+            except CheckpointError:
+                manifest = None  # unreadable: its blobs, if any, are left to gc
+        if delete_checkpoint(store, step):
+            deleted.append(step)
+            if manifest is not None:
+                dropped.append(manifest)
+    drop_blobs(store, dropped, known)
+    return deleted
+
+
 def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
     """When ``step`` was committed (Unix seconds): its manifest's time where the store
     keeps one, and never earlier than its save was called. Worker thread."""
@@ -252,9 +286,9 @@ def _plan(
     protect: tuple[int, ...],
     identity: WriterIdentity | None,
     known: dict[int, Manifest] | None,
-) -> tuple[list[int], tuple[int, ...]]:
-    """(steps to delete, unranked steps) for ``policy``, sparing another writer's fresh
-    checkpoints when ``identity`` is given. Worker thread."""
+) -> tuple[list[int], tuple[int, ...], dict[int, Manifest]]:
+    """(steps to delete, unranked steps, the manifests read) for ``policy``, sparing another
+    writer's fresh checkpoints when ``identity`` is given. Worker thread."""
     found = committed_manifests(store, known=known)
     checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]
     plan = plan_retention(checkpoints, policy, protect=protect)
@@ -274,7 +308,7 @@ def _plan(
                 now=time.time(),
                 grace=identity.grace(),
             )
-    return [v.step for v in plan.delete], plan.unranked
+    return [v.step for v in plan.delete], plan.unranked, dict(found)
 
 
 async def apply_retention(
@@ -300,13 +334,14 @@ async def apply_retention(
     if not policy.deletes_anything:
         return []
     protect = () if committed_step is None else (committed_step,)
-    victims, unranked = await anyio.to_thread.run_sync(
+    victims, unranked, manifests = await anyio.to_thread.run_sync(
         functools.partial(_plan, store, policy, protect, identity, known), limiter=limiter
     )
     deleted: list[int] = []
-    for step in victims:
-        await anyio.to_thread.run_sync(delete_checkpoint, store, step, limiter=limiter)
-        deleted.append(step)
+    if victims:
+        deleted = await anyio.to_thread.run_sync(
+            delete_checkpoints, store, victims, manifests, known, limiter=limiter
+        )
     if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.
         warnings.warn(_unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)

@@ -31,12 +31,13 @@ from checkpointd.retention import (
     RetentionPolicy,
     WriterIdentity,
     apply_retention,
-    delete_checkpoint,
+    delete_checkpoints,
 )
 from checkpointd.storage import Store
 
 if TYPE_CHECKING:
     from checkpointd.distributed import Group
+    from checkpointd.incremental import IncrementalSaver
 
 __all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
 
@@ -62,13 +63,8 @@ def discard_newer(store: Store, step: int) -> list[int]:
     """Delete every committed checkpoint newer than ``step``, newest first (each manifest
     first); folders without a manifest (saves in flight, leftovers) are left to gc.
     Returns the deleted steps. Worker thread (blocking)."""
-    deleted: list[int] = []
-    for newer in reversed(catalog.step_folders(store)):
-        if newer <= step:
-            break
-        if delete_checkpoint(store, newer):
-            deleted.append(newer)
-    return deleted
+    newer = [s for s in reversed(catalog.step_folders(store)) if s > step]
+    return delete_checkpoints(store, newer)
 
 
 class WriteService:
@@ -88,8 +84,15 @@ class WriteService:
         newer_steps: NewerSteps = "error",
         *,
         group: Group | None = None,
+        incremental: bool = False,
     ) -> None:
         self.store = store
+        self.incremental: IncrementalSaver | None = None
+        """Set for ``incremental=True``: references unchanged tensors (incremental.py)."""
+        if incremental:
+            from checkpointd.incremental import IncrementalSaver
+
+            self.incremental = IncrementalSaver(store)
         self.group = group
         """The ranks that save together (None: this process alone); see distributed.py."""
         self.policy = policy
@@ -182,6 +185,8 @@ class WriteService:
     async def _commit(self, snapshot: Snapshot, limiter: anyio.CapacityLimiter) -> CheckpointInfo:
         """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""
         group = self.group
+        if group is None and self.incremental is not None:
+            return await self.incremental.commit(snapshot, limiter, identity=self.identity)
         if group is None:
             plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
             return await commit_plan(self.store, plan, limiter, identity=self.identity)

@@ -17,6 +17,7 @@ __all__ = [
     "GC_OLDER_THAN",
     "GRACE_SECONDS",
     "HEARTBEAT_SECONDS",
+    "INCREMENTAL_MIN_BYTES",
     "JOIN_SECONDS",
     "MAX_HEADER_BYTES",
     "MAX_JSON_DEPTH",
@@ -99,6 +100,10 @@ GRACE_SECONDS = 600.0
 """The shortest time another writer's new checkpoint is safe from this writer's
 retention (the grace window is the longer of this and twice the writer's own last
 save interval)."""
+
+INCREMENTAL_MIN_BYTES = 64 * 2**10
+"""Incremental saves store tensors of at least this many bytes as shared blobs (hashed,
+written once); smaller ones stay in the step's own tensor file, rewritten each save."""
 
 GC_OLDER_THAN = 3600.0
 """Default age (seconds without a write) before gc removes a leftover: an hour

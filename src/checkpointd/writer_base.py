@@ -76,6 +76,13 @@ class WriterBase:
     writer and calls ``save`` with the same step; see DESIGN.md "Many ranks");
     ``checkpointd.LOCAL`` makes this process save alone.
 
+    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
+    equal one of the writer's previous committed checkpoint is not written again: the
+    manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
+    incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
+    retention and gc delete a blob only when no committed manifest uses it. Single
+    process only for now: with many ranks it raises InvalidArgumentError.
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
@@ -96,6 +103,7 @@ class WriterBase:
         newer_steps: NewerSteps = "error",
         retention: RetentionPolicy | None = None,
         process_group: Any = None,
+        incremental: bool = False,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -106,6 +114,8 @@ class WriterBase:
             )
         if background_niceness and not sys.platform.startswith("linux"):
             raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
+        if not isinstance(incremental, bool):
+            raise InvalidArgumentError(f"incremental must be a bool, not {incremental!r}")
         if newer_steps not in _NEWER_STEPS:
             raise InvalidArgumentError(
                 f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
@@ -123,8 +133,23 @@ class WriterBase:
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
         self._ranks = _group(process_group)
+        if incremental and self._ranks is not None:
+            self._ranks.close()
+            self._store.close()
+            raise InvalidArgumentError(
+                "incremental=True is for a writer that saves alone for now: this one saves "
+                f"with {self._ranks.world_size} ranks (pass process_group=checkpointd.LOCAL, "
+                "or drop incremental)"
+            )
+        self.incremental = incremental
         self._service = WriteService(
-            self._store, self.policy, max_pending, max_concurrency, newer_steps, group=self._ranks
+            self._store,
+            self.policy,
+            max_pending,
+            max_concurrency,
+            newer_steps,
+            group=self._ranks,
+            incremental=incremental,
         )
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []

@@ -246,3 +246,19 @@ def test_guarded_publish_never_takes_a_racing_writers_file(
     with _publishing(store), pytest.raises(CheckpointExistsError, match="another writer"):
         store.publish("d/manifest.json", b"ours")
     assert other.read_bytes("d/manifest.json") == b"theirs"
+
+
+def test_shared_folders_beside_step_folders(store: Store) -> None:
+    """What incremental saves need of a backend (shared.py): folders that are not step
+    folders, made twice, listed when absent, files replaced and removed there."""
+    assert store.list_dir("pins") == []  # never made: empty, not an error
+    store.make_dir("blobs")
+    store.make_dir("blobs")  # a second writer makes it again
+    name = "xxh128-" + "ab" * 16
+    _write(store, f"blobs/{name}", b"tensor bytes")
+    _write(store, f"blobs/{name}", b"tensor bytes")  # same name, same bytes: a rewrite
+    assert store.list_dir("blobs") == [name]
+    assert store.size(f"blobs/{name}") == 12
+    store.remove_file(f"blobs/{name}")
+    assert store.list_dir("blobs") == []
+    store.remove_file(f"blobs/{name}")  # already gone: nothing to do

@@ -35,3 +35,20 @@ def test_benchmark_suite_smoke(tmp_path: Path) -> None:
     pngs = {p.name for p in out.glob("*.png")}
     assert {"large_0.png", "small.png", "training.png", "s3.png", "scaling.png"} <= pngs
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+@pytest.mark.timeout(60)
+def test_incremental_benchmark_smoke(tmp_path: Path) -> None:
+    from benchmarks import bench_incremental
+
+    out, png = tmp_path / "incremental.json", tmp_path / "incremental.png"
+    args = ["--smoke", "--dir", str(tmp_path), "--json", str(out), "--plot", str(png)]
+    assert bench_incremental.main(args) == 0
+    assert png.stat().st_size > 0
+    results = json.loads(out.read_text())
+    lora = results["lora"]
+    # The frozen base is referenced, not written again: only the changing bytes are.
+    assert lora["incremental"]["written_median"] < lora["full"]["written_median"] / 4
+    assert lora["incremental"]["storage_bytes"] < lora["full"]["storage_bytes"]
+    assert results["changing"]["incremental"]["written_median"] > 0
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"

@@ -1,0 +1,258 @@
+"""Incremental saves: write each distinct large tensor once, reference it afterwards.
+
+``IncrementalSaver`` belongs to one single-process writer and runs on its event
+loop, one save at a time. Per save: pin the blobs of the writer's previous
+committed checkpoint (shared.write_pin); hash each large tensor of the snapshot
+in a worker thread (digest.py); reference the blob of a tensor whose hash names
+one of those blobs, write every other to ``blobs/NAME``; check that every
+blob it lists is still stored (and write it again from the snapshot if not);
+then commit the step's own files and manifest as any save (commit.commit_plan)
+and drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
+step's tensor file. The caller's thread does nothing more than for a full save.
+docs/format.md ("Shared tensor data") is the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from checkpointd import catalog, tunables
+from checkpointd.capture import CapturedComponent
+from checkpointd.commit import commit_plan, open_step
+from checkpointd.digest import blob_name
+from checkpointd.errors import CheckpointNotFoundError, StorageError
+from checkpointd.format import encode_tree
+from checkpointd.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
+from checkpointd.layout import BLOBS_DIR, HEADER_ALIGN, blob_path, tensor_file_name, tree_file_name
+from checkpointd.manifest import BlobEntry, BlobRef, CheckpointInfo, ComponentEntry
+from checkpointd.plan import PlannedFile, SavePlan, Snapshot, WriteFile
+from checkpointd.retention import WriterIdentity
+from checkpointd.shared import remove_pin, write_pin
+from checkpointd.storage import Store
+
+__all__ = ["IncrementalSaver", "SaveStats"]
+
+T = TypeVar("T")
+
+
+async def _in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
+
+
+@dataclass(slots=True)
+class SaveStats:
+    """What the last incremental save did: blobs written and referenced, and their bytes."""
+
+    written: int = 0
+    written_bytes: int = 0
+    referenced: int = 0
+    referenced_bytes: int = 0
+    repaired: int = 0
+    """Referenced blobs found missing before the publish, written again from the snapshot."""
+
+
+@dataclass(slots=True)
+class _Blobs:
+    """The blobs of one save being planned: what each tensor refers to, and the entries."""
+
+    previous: dict[str, BlobEntry]
+    refs: dict[str, dict[str, BlobRef]] = field(default_factory=dict)
+    used: dict[str, BlobEntry] = field(default_factory=dict)
+    views: dict[str, memoryview] = field(default_factory=dict)
+    claimed: set[str] = field(default_factory=set)
+
+
+def _newest_blobs(store: Store) -> dict[str, BlobEntry]:
+    """The blobs of the newest committed checkpoint (none if there is none). Worker thread."""
+    try:
+        _, manifest = catalog.newest(store, on_damaged=lambda step, exc: None)
+    except CheckpointNotFoundError:
+        return {}
+    return {blob.name: blob for blob in manifest.blobs}
+
+
+def _write_blob(store: Store, name: str, view: memoryview) -> BlobEntry:
+    """Write blob ``name`` durably (atomic replace: same name, same bytes). No CRC32C:
+    the name is the digest readers check. Worker thread."""
+    sink = store.open_file(blob_path(name), size=len(view))
+    try:
+        for start in range(0, len(view), tunables.CHUNK_BYTES):
+            sink.write(view[start : start + tunables.CHUNK_BYTES])
+        sink.commit()
+    except BaseException:
+        sink.discard()
+        raise
+    return BlobEntry(name, len(view), written=True)
+
+
+def _stored(store: Store, entry: BlobEntry) -> bool:
+    """True if blob ``entry`` is stored with its size. Worker thread."""
+    try:
+        return store.size(blob_path(entry.name)) == entry.size
+    except StorageError:
+        return False
+
+
+class IncrementalSaver:
+    """Saves snapshots of one writer incrementally; call ``commit`` from its event loop,
+    one save at a time.
+
+    ``previous`` holds the blobs of the writer's previous committed checkpoint (read
+    from the newest one in the root on the first save); ``stats`` describe the last save.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.previous: dict[str, BlobEntry] | None = None
+        self.stats = SaveStats()
+
+    async def commit(
+        self,
+        snapshot: Snapshot,
+        limiter: anyio.CapacityLimiter,
+        *,
+        identity: WriterIdentity | None = None,
+    ) -> CheckpointInfo:
+        """Write ``snapshot`` referencing unchanged tensors; return its CheckpointInfo once
+        durable. Raises as ``commit.commit_plan``. Event loop."""
+        store = self.store
+        if self.previous is None:
+            self.previous = await _in_thread(limiter, _newest_blobs, store)
+        token = secrets.token_hex(4)
+        await open_step(store, snapshot.step, limiter)
+        pin = await _in_thread(limiter, write_pin, store, snapshot.step, token, self.previous)
+        try:
+            blobs = _Blobs(dict(self.previous))
+            await _in_thread(limiter, store.make_dir, BLOBS_DIR)
+            async with anyio.create_task_group() as group:
+                for component in snapshot.components:
+                    for entry in _large(component):
+                        view = snapshot.buffer.view(component.offset + entry.begin, _size(entry))
+                        group.start_soon(self._blob, blobs, component.name, entry, view, limiter)
+            stats = await self._check_stored(blobs, limiter)
+            await _in_thread(limiter, store.sync_dir, BLOBS_DIR)
+            plan = _plan(snapshot, token, blobs)
+            info = await commit_plan(store, plan, limiter, identity=identity)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _in_thread(limiter, remove_pin, store, pin)
+        self.previous = {
+            name: msgspec.structs.replace(entry, written=False)
+            for name, entry in blobs.used.items()
+        }
+        self.stats = stats
+        return info
+
+    async def _blob(
+        self,
+        blobs: _Blobs,
+        component: str,
+        entry: TensorEntry,
+        view: memoryview,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        """Hash one large tensor, then reference its blob or write it. Event loop."""
+        name = await _in_thread(limiter, blob_name, view)
+        ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+        blobs.refs.setdefault(component, {})[entry.name] = ref
+        blobs.views.setdefault(name, view)
+        if name in blobs.claimed:
+            return  # the same bytes twice in this save: written (or referenced) once
+        blobs.claimed.add(name)
+        known = blobs.previous.get(name)
+        if known is not None and known.size == len(view):
+            blobs.used[name] = msgspec.structs.replace(known, written=False)
+            return
+        blobs.used[name] = await _in_thread(limiter, _write_blob, self.store, name, view)
+
+    async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
+        """Make sure every blob the manifest will list is stored, referenced ones and ones
+        just written (a deletion in another process may have raced this save); write
+        back any that is not, from the snapshot (same bytes, same name). Event loop."""
+        stats = SaveStats()
+
+        async def check(entry: BlobEntry) -> None:
+            if await _in_thread(limiter, _stored, self.store, entry):
+                return
+            view = blobs.views[entry.name]
+            blobs.used[entry.name] = await _in_thread(
+                limiter, _write_blob, self.store, entry.name, view
+            )
+            stats.repaired += 1
+
+        async with anyio.create_task_group() as group:
+            for entry in list(blobs.used.values()):
+                group.start_soon(check, entry)
+        for entry in blobs.used.values():
+            if entry.written:
+                stats.written += 1
+                stats.written_bytes += entry.size
+            else:
+                stats.referenced += 1
+                stats.referenced_bytes += entry.size
+        return stats
+
+
+def _size(entry: TensorEntry) -> int:
+    return entry.end - entry.begin
+
+
+def _large(component: CapturedComponent) -> list[TensorEntry]:
+    """The tensors of ``component`` stored as blobs (at least INCREMENTAL_MIN_BYTES)."""
+    return [e for e in component.entries if _size(e) >= max(1, tunables.INCREMENTAL_MIN_BYTES)]
+
+
+def _plan(snapshot: Snapshot, token: str, blobs: _Blobs) -> SavePlan:
+    """The step's own files (trees, and the small tensors of each component) plus the
+    blob entries and refs for the manifest. Event loop or any thread."""
+    files: list[PlannedFile] = []
+    components: dict[str, ComponentEntry] = {}
+    for component in snapshot.components:
+        name = component.name
+        tree = tree_file_name(name, token)
+        files.append(WriteFile(tree, [encode_tree(component.tree)], name))
+        refs = blobs.refs.get(name, {})
+        small: list[TensorEntry] = []
+        parts: list[memoryview] = []
+        position = 0
+        for entry in component.entries:  # kept in order: decreasing element size
+            if entry.name in refs:
+                continue
+            size = _size(entry)
+            small.append(
+                TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size)
+            )
+            parts.append(snapshot.buffer.view(component.offset + entry.begin, size))
+            position += size
+        tensor_files: list[str] = []
+        if small:
+            tensors = tensor_file_name(name, token)
+            tensor_files.append(tensors)
+            header = encode_safetensors_header(small, align=HEADER_ALIGN)
+            files.append(WriteFile(tensors, [header, *parts], name))
+        components[name] = ComponentEntry(
+            tree=tree,
+            tensors=tensor_files,
+            nbytes=component.nbytes,
+            num_tensors=len(component.entries),
+            refs=refs,
+        )
+    return SavePlan(
+        step=snapshot.step,
+        files=files,
+        components=components,
+        created_at=snapshot.created_at,
+        metrics=snapshot.metrics,
+        metadata=snapshot.metadata,
+        specs=snapshot.specs,
+        per_rank=snapshot.per_rank,
+        blobs=sorted(blobs.used.values(), key=lambda b: b.name),
+    )
