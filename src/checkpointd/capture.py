@@ -376,6 +376,13 @@ def capture(
         raise UnsupportedValueError(
             f"state must be a mapping of component name to value, not {type(state).__qualname__}"
         )
+    with torch.no_grad():  # no autograd bookkeeping: detach/to_local are plain then
+        return _capture(state, buffer, ranked)
+
+
+def _capture(
+    state: Mapping[str, Any], buffer: StagingBuffer, ranked: bool
+) -> list[CapturedComponent]:
     planned: list[tuple[CapturedComponent, list[_Source]]] = []
     planned_shards: list[list[_Source]] = []
     total = 0

@@ -59,6 +59,7 @@ class StepReader:
         self.files: dict[str, FileEntry] = {f.path: f for f in manifest.files}
         self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
+        self._sized: set[str] = set()  # shard files whose size was checked
 
     def _size(self, name: str) -> int:
         """The file's size after checking it against the manifest (missing: ``_vanished``)."""
@@ -212,7 +213,9 @@ class StepReader:
                 f"{self.where}/{shard.file}: the shard at {shard.offsets} has too few block digests"
             )
         begin, end = lo * block, min(hi * block, total)
-        self._size(shard.file)
+        if shard.file not in self._sized:
+            self._size(shard.file)
+            self._sized.add(shard.file)
         data = torch.empty(end - begin, dtype=torch.uint8)
         view = data.numpy().data.cast("B")
         try:
