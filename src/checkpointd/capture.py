@@ -5,13 +5,14 @@ state tree, validates every value, and copies every tensor into one staging
 arena that is reused from save to save (pinned for CUDA sources, copies issued
 non-blocking and synchronized once). Nothing the caller owns is referenced by
 the snapshot afterwards, so the caller may change its tensors as soon as
-``capture`` returns.
+``capture`` returns. With overlapped staging a ``copier`` (staging.py) performs
+the copies instead, some of them after ``capture`` returns.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from checkpointd.layout import check_component_name
 from checkpointd.stateful import component_state
 from checkpointd.tunables import MAX_TREE_DEPTH
 
-__all__ = ["CapturedComponent", "StagingBuffer", "capture"]
+__all__ = ["CapturedComponent", "Copier", "Copy", "StagingBuffer", "capture", "copy_now"]
 
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
@@ -307,8 +308,18 @@ def _layout(sources: list[_Source]) -> tuple[list[_Source], list[TensorEntry], i
     return ordered, entries, position
 
 
-def capture(state: Mapping[str, Any], buffer: StagingBuffer) -> list[CapturedComponent]:
-    """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory.
+Copy = tuple[torch.Tensor, torch.Tensor]
+"""One tensor to stage: (source, its target view in the arena)."""
+
+Copier = Callable[[list[Copy], bool], None]
+"""Performs a save's copies into the arena: ``(copies, uses_cuda)``; see staging.py."""
+
+
+def capture(
+    state: Mapping[str, Any], buffer: StagingBuffer, copier: Copier | None = None
+) -> list[CapturedComponent]:
+    """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory,
+    or, with a ``copier`` (overlapped staging), once it has issued the copies.
 
     Called on the caller's thread. Raises UnsupportedValueError (before copying
     anything) if a value cannot be stored.
@@ -327,18 +338,29 @@ def capture(state: Mapping[str, Any], buffer: StagingBuffer) -> list[CapturedCom
         planned.append((CapturedComponent(name, tree, entries, total, nbytes), ordered))
         total += math.ceil(nbytes / _REGION_ALIGN) * _REGION_ALIGN
 
-    devices = {s.tensor.device for _, sources in planned for s in sources}
-    uses_cuda = any(d.type == "cuda" for d in devices)
+    uses_cuda = any(s.tensor.device.type == "cuda" for _, sources in planned for s in sources)
     arena = buffer.reserve(total, pinned=uses_cuda)
+    copies: list[Copy] = []
     for component, sources in planned:
         for source, entry in zip(sources, component.entries, strict=True):
             if source.nbytes == 0:
                 continue
             begin = component.offset + entry.begin
             target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)
-            target.view(source.tensor.shape).copy_(source.tensor, non_blocking=uses_cuda)
+            copies.append((source.tensor, target.view(source.tensor.shape)))
+    (copier or copy_now)(copies, uses_cuda)
+    return [component for component, _ in planned]
+
+
+def copy_now(copies: list[Copy], uses_cuda: bool) -> None:
+    """Copy every source into its target; returns once the bytes are in host memory.
+
+    CUDA copies are issued non-blocking (the arena is pinned) and synchronized once
+    per device. Caller's thread, or staging's copier thread for CPU sources.
+    """
+    for source, target in copies:
+        target.copy_(source, non_blocking=uses_cuda)
     if uses_cuda:
-        for device in devices:
+        for device in {source.device for source, _ in copies}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    return [component for component, _ in planned]
