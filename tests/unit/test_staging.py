@@ -103,6 +103,43 @@ def test_overlapped_save_stores_what_blocking_stores(tmp_path: Path) -> None:
     _assert_same(overlapped["model"], _copy(model.state_dict()))
 
 
+def test_background_copies_are_bit_exact_for_every_float_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Background copies go through NumPy bytes (bfloat16 and float8 have no NumPy
+    dtype); a non-contiguous parameter goes through Tensor.copy_."""
+    torch.manual_seed(0)
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+    params = [torch.nn.Parameter(torch.randn(5, 3).to(dtype)) for dtype in dtypes]
+    params.append(torch.nn.Parameter(torch.randn(3, 4).t()))  # non-contiguous
+    params.append(torch.nn.Parameter(torch.randn(7).to(torch.float8_e4m3fn), requires_grad=False))
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params[:-1]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert not params[5].is_contiguous()
+    state = {"params": {str(i): p for i, p in enumerate(params)}, "optimizer": optimizer}
+    expected = _copy({str(i): p.detach() for i, p in enumerate(params)})
+    moments = _copy(optimizer.state_dict()["state"])
+    copied: list[torch.dtype] = []
+    real = staging_module._copy_in_background
+
+    def recording(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        copied.extend(source.dtype for source, _ in copies)
+        real(copies)
+
+    monkeypatch.setattr(staging_module, "_copy_in_background", recording)
+    with checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped") as writer:
+        writer.save(1, state).result(timeout=60)
+    assert len(copied) == 7 + 6  # every parameter and momentum buffer, in the background
+    loaded = checkpointd.load(str(tmp_path)).state
+    for name, tensor in expected.items():
+        stored = loaded["params"][name]
+        assert stored.dtype == tensor.dtype
+        assert torch.equal(stored.view(torch.uint8), tensor.contiguous().view(torch.uint8))
+    _assert_same(loaded["optimizer"]["state"], moments)
+
+
 def test_bad_staging_option_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="staging"):
         checkpointd.CheckpointWriter(str(tmp_path), staging="lazy")  # type: ignore[arg-type]
