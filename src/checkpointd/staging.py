@@ -126,7 +126,7 @@ class Stager:
     def _guard(self, state: Mapping[str, Any]) -> set[_Key]:
         """Hook every optimizer in ``state`` (once per writer); return the storages of
         their parameters and state tensors."""
-        guarded: set[_Key] = set()
+        guarded: set[_Key | None] = set()
         for optimizer in _optimizers(state, 0):
             if optimizer not in self._hooks:
                 hook = functools.partial(_wait_before_step, weakref.ref(self))
@@ -136,15 +136,17 @@ class Stager:
             for per_param in optimizer.state.values():
                 if isinstance(per_param, Mapping):
                     guarded.update(_key(v) for v in per_param.values() if _is_tensor(v))
-        return guarded
+        return {key for key in guarded if key is not None}
 
     def _start(
         self, staging: Staging, copies: list[Copy], uses_cuda: bool, guarded: set[_Key]
     ) -> None:
         """Issue the guarded copies in the background, copy the rest now; returns once
         the rest is in host memory. Caller's thread (inside ``capture``)."""
-        later = [c for c in copies if _key(c[0]) in guarded]
-        now = [c for c in copies if _key(c[0]) not in guarded]
+        later: list[Copy] = []
+        now: list[Copy] = []
+        for copy in copies:
+            (later if _key(copy[0]) in guarded else now).append(copy)
         events = self._issue_cuda([c for c in later if c[0].device.type == "cuda"])
         on_cpu = [c for c in later if c[0].device.type != "cuda"]
         thread = threading.Thread(
@@ -261,6 +263,12 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _key(tensor: torch.Tensor) -> _Key:
-    """Which memory a tensor shows: its device and its storage's address."""
-    return (tensor.device, tensor.untyped_storage().data_ptr())
+def _key(tensor: torch.Tensor) -> _Key | None:
+    """Which memory a tensor shows: its device and its storage's address (a DTensor's:
+    its local shard's). None where a tensor has no storage to tell (it is then not
+    guarded, so it is copied before ``save()`` returns)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    try:
+        return (local.device, local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None

@@ -291,6 +291,8 @@ class AsyncCheckpointWriter(WriterBase):
             raise WriterClosedError("use the writer inside 'async with'")
         plain = self._before_save(step, metrics, metadata)
         recorded = self._record_specs(step, state, specs, associations)
+        if self._stager is not None:  # the previous save's copy: waited for off the loop
+            await anyio.to_thread.run_sync(self._stager.wait)
         buffer = await self._service.acquire_buffer()
         try:
             snapshot, staging = self._snapshot(step, state, buffer, plain, recorded)
