@@ -4,14 +4,15 @@ Run: ``python -m benchmarks.bench_overlap`` (``--smoke`` for a seconds-long chec
 A CPU training loop (an MLP of ``--depth`` x ``--width`` linear layers, AdamW,
 batch ``--batch``: by default ~400 MB of parameters and optimizer state) saves
 its state with two writers that differ only in ``staging=``; windows alternate
-between them. A window is one save followed by ``--steps`` training steps; the
-save is then awaited until durable and ``--idle`` steps without a save give the
-baseline step time. Per mode, medians over the windows:
+between them. A window is one save followed by training steps until the save is
+durable (at least ``--steps``); ``--idle`` steps without a save between windows
+give the baseline step time. Per mode, medians over the windows:
 
 - blocked: seconds ``save()`` held the training thread;
 - staged: seconds from the call until the state was all in host memory;
 - first step: the step right after ``save()`` (overlapped: its
   ``optimizer.step()`` waits there for the copy), minus the idle median;
+- step time: the window's mean step time against the idle median;
 - stall: ``save()`` plus the window's steps, minus as many idle steps: all the
   training time the save cost, the background write's competition for the
   cores included.
@@ -94,7 +95,8 @@ def run(
     for _ in range(2):
         step()
     raw: dict[StagingMode, dict[str, list[float]]] = {
-        mode: {"blocked": [], "staged": [], "first_step": [], "stall": []} for mode in STAGING_MODES
+        mode: {"blocked": [], "staged": [], "first_step": [], "step_change": [], "stall": []}
+        for mode in STAGING_MODES
     }
     idle_steps: list[float] = []
     writers = {
@@ -115,7 +117,9 @@ def run(
                 handle = writer.save(number, state)
                 watcher = threading.Thread(target=_record_staged, args=(handle, staged))
                 watcher.start()
-                times = [step() for _ in range(steps)]
+                times: list[float] = []
+                while len(times) < steps or not handle.done():  # until durable
+                    times.append(step())
                 window = time.perf_counter() - start
                 handle.result()
                 watcher.join()
@@ -123,7 +127,8 @@ def run(
                 raw[mode]["blocked"].append(handle.blocked_seconds)
                 raw[mode]["staged"].append(staged[0] - start)
                 raw[mode]["first_step"].append(times[0] - baseline)
-                raw[mode]["stall"].append(window - steps * baseline)
+                raw[mode]["step_change"].append(statistics.mean(times) / baseline - 1)
+                raw[mode]["stall"].append(window - len(times) * baseline)
                 idle_steps += [step() for _ in range(idle)]
     finally:
         for writer in writers.values():
@@ -166,6 +171,8 @@ def report(results: dict[str, Any]) -> str:
         b, o = median["blocking"][name], median["overlapped"][name]
         ratio = f"{o / b:.2f}" if b > 0 else "-"
         rows.append(f"{label:12}{b * 1e3:>10.1f}ms{o * 1e3:>10.1f}ms{ratio:>8}")
+    b, o = median["blocking"]["step_change"], median["overlapped"]["step_change"]
+    rows.append(f"{'step time':12}{b:>+12.0%}{o:>+12.0%}")
     return "\n".join(rows)
 
 
