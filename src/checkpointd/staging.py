@@ -57,6 +57,8 @@ class Staging:
     def __init__(self) -> None:
         self._done = threading.Event()
         self.error: StagingError | None = None
+        self.started = False
+        """Whether copies were issued (capture may fail before: then it never ends)."""
 
     def done(self) -> bool:
         """True once the copy has ended, successfully or not."""
@@ -143,11 +145,16 @@ class Stager:
     ) -> None:
         """Issue the guarded copies in the background, copy the rest now; returns once
         the rest is in host memory. Caller's thread (inside ``capture``)."""
+        staging.started = True
         later: list[Copy] = []
         now: list[Copy] = []
         for copy in copies:
             (later if _key(copy[0]) in guarded else now).append(copy)
-        events = self._issue_cuda([c for c in later if c[0].device.type == "cuda"])
+        try:
+            events = self._issue_cuda([c for c in later if c[0].device.type == "cuda"])
+        except BaseException as exc:
+            staging._finish(exc)
+            raise
         on_cpu = [c for c in later if c[0].device.type != "cuda"]
         thread = threading.Thread(
             target=_finish_copies, args=(staging, on_cpu, events), name="checkpointd-stage"

@@ -247,7 +247,7 @@ class WriterBase:
             components = capture(captured, buffer, copier)
             attempt = 0 if group is None else group.attempt(step)
         except BaseException:
-            if staging is not None:
+            if staging is not None and staging.started:
                 staging.wait()  # the caller releases the buffer: no copy may still write
             raise
         snapshot = Snapshot(

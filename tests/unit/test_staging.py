@@ -21,6 +21,7 @@ from checkpointd.errors import (
     CheckpointTimeoutError,
     InvalidArgumentError,
     StagingError,
+    UnsupportedValueError,
 )
 
 
@@ -169,6 +170,26 @@ def test_only_optimized_tensors_stage_after_save_returns(tmp_path: Path, gate: G
     _assert_same(loaded["model"], expected["model"])
     _assert_same(loaded["frozen"], expected["frozen"])
     assert torch.equal(loaded["user"]["ema"], torch.ones(6))
+
+
+def test_an_unstorable_value_fails_save_at_once_and_the_writer_goes_on(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    with checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped") as writer:
+        bad = {"model": model, "optimizer": optimizer, "x": object()}
+        refused: list[Exception] = []
+
+        def save_bad() -> None:
+            try:
+                writer.save(1, bad)
+            except UnsupportedValueError as exc:
+                refused.append(exc)
+
+        saver = threading.Thread(target=save_bad)
+        saver.start()
+        saver.join(30)
+        assert not saver.is_alive(), "save() hung after refusing a value"
+        assert refused
+        assert writer.save(2, {"model": model, "optimizer": optimizer}).result(timeout=60).step == 2
 
 
 def test_optimizer_step_waits_for_staging(tmp_path: Path, gate: Gate) -> None:
