@@ -192,6 +192,19 @@ def test_an_unstorable_value_fails_save_at_once_and_the_writer_goes_on(tmp_path:
         assert writer.save(2, {"model": model, "optimizer": optimizer}).result(timeout=60).step == 2
 
 
+def test_optimizers_nested_in_a_component_are_guarded() -> None:
+    model, optimizer = _trained()
+    stager = staging_module.Stager()
+    guarded = stager._guard({"model": model, "train": {"loop": [optimizer]}})
+    expected = {staging_module._key(p) for p in model.parameters()}
+    assert expected <= guarded
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    stager._guard({"train": {"loop": [optimizer]}})  # hooked once per writer
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    stager.close()
+    assert optimizer._optimizer_step_pre_hooks == {}
+
+
 def test_optimizer_step_waits_for_staging(tmp_path: Path, gate: Gate) -> None:
     model, optimizer = _trained()
     expected = _copy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
