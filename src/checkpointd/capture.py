@@ -5,13 +5,14 @@ state tree, validates every value, and copies every tensor into one staging
 arena that is reused from save to save (pinned for CUDA sources, copies issued
 non-blocking and synchronized once). Nothing the caller owns is referenced by
 the snapshot afterwards, so the caller may change its tensors as soon as
-``capture`` returns.
+``capture`` returns. With overlapped staging a ``copier`` (staging.py) performs
+the copies instead, some of them after ``capture`` returns.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,15 @@ from checkpointd.shards import is_dtensor, local_shard
 from checkpointd.stateful import component_state
 from checkpointd.tunables import MAX_TREE_DEPTH
 
-__all__ = ["CapturedComponent", "CapturedShard", "StagingBuffer", "capture"]
+__all__ = [
+    "CapturedComponent",
+    "CapturedShard",
+    "Copier",
+    "Copy",
+    "StagingBuffer",
+    "capture",
+    "copy_now",
+]
 
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
@@ -363,10 +372,22 @@ def _layout(sources: list[_Source]) -> tuple[list[_Source], list[TensorEntry], i
     return ordered, entries, position
 
 
+Copy = tuple[torch.Tensor, torch.Tensor]
+"""One tensor to stage: (source, its target view in the arena)."""
+
+Copier = Callable[[list[Copy], bool], None]
+"""Performs a save's copies into the arena: ``(copies, uses_cuda)``; see staging.py."""
+
+
 def capture(
-    state: Mapping[str, Any], buffer: StagingBuffer, *, ranked: bool = False
+    state: Mapping[str, Any],
+    buffer: StagingBuffer,
+    copier: Copier | None = None,
+    *,
+    ranked: bool = False,
 ) -> list[CapturedComponent]:
-    """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory.
+    """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory,
+    or, with a ``copier`` (overlapped staging), once it has issued the copies.
 
     Called on the caller's thread. Raises UnsupportedValueError (before copying
     anything) if a value cannot be stored. ``ranked``: every rank of the job saves
@@ -377,11 +398,11 @@ def capture(
             f"state must be a mapping of component name to value, not {type(state).__qualname__}"
         )
     with torch.no_grad():  # no autograd bookkeeping: detach/to_local are plain then
-        return _capture(state, buffer, ranked)
+        return _capture(state, buffer, copier, ranked)
 
 
 def _capture(
-    state: Mapping[str, Any], buffer: StagingBuffer, ranked: bool
+    state: Mapping[str, Any], buffer: StagingBuffer, copier: Copier | None, ranked: bool
 ) -> list[CapturedComponent]:
     planned: list[tuple[CapturedComponent, list[_Source]]] = []
     planned_shards: list[list[_Source]] = []
@@ -405,18 +426,29 @@ def _capture(
         (sources, component.shard_entries, component.shard_offset)
         for (component, _), sources in zip(planned, planned_shards, strict=True)
     ]
-    devices = {s.tensor.device for sources, _, _ in regions for s in sources}
-    uses_cuda = any(d.type == "cuda" for d in devices)
+    uses_cuda = any(s.tensor.device.type == "cuda" for sources, _, _ in regions for s in sources)
     arena = buffer.reserve(total, pinned=uses_cuda)
+    copies: list[Copy] = []
     for sources, entries, offset in regions:
         for source, entry in zip(sources, entries, strict=True):
             if source.nbytes == 0:
                 continue
             begin = offset + entry.begin
             target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)
-            target.view(source.tensor.shape).copy_(source.tensor, non_blocking=uses_cuda)
+            copies.append((source.tensor, target.view(source.tensor.shape)))
+    (copier or copy_now)(copies, uses_cuda)
+    return [component for component, _ in planned]
+
+
+def copy_now(copies: list[Copy], uses_cuda: bool) -> None:
+    """Copy every source into its target; returns once the bytes are in host memory.
+
+    CUDA copies are issued non-blocking (the arena is pinned) and synchronized once
+    per device. Caller's thread, or staging's copier thread for CPU sources.
+    """
+    for source, target in copies:
+        target.copy_(source, non_blocking=uses_cuda)
     if uses_cuda:
-        for device in devices:
+        for device in {source.device for source, _ in copies}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    return [component for component, _ in planned]

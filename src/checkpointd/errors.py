@@ -23,6 +23,7 @@ __all__ = [
     "RestoreMismatchError",
     "RetentionWarning",
     "SpecChangedWarning",
+    "StagingError",
     "StepOrderError",
     "StorageCapabilityWarning",
     "StorageError",
@@ -89,6 +90,11 @@ class StepOrderError(CheckpointError, ValueError):
 class RankFailedError(CheckpointError, RuntimeError):
     """A save of many ranks failed elsewhere: another rank failed, died or did not join
     it, or replicated components differ between ranks."""
+
+
+class StagingError(CheckpointError, RuntimeError):
+    """Copying the state into host memory failed in the background (overlapped staging);
+    the underlying error is the cause. The save failed; the writer goes on."""
 
 
 class StorageError(CheckpointError, OSError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -11,6 +12,9 @@ import anyio.to_thread
 from checkpointd import lifecycle
 from checkpointd.errors import CheckpointTimeoutError, WriterClosedError, WrongThreadError
 from checkpointd.manifest import CheckpointInfo
+
+if TYPE_CHECKING:
+    from checkpointd.staging import Staging
 
 __all__ = ["Failures", "SaveHandle", "first_leaf"]
 
@@ -45,10 +49,30 @@ class SaveHandle:
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
         self._failures: Failures | None = None
+        self._staging: Staging | None = None  # overlapped staging only
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
         return self._done.is_set()
+
+    def staged(self) -> bool:
+        """True once the state is copied into host memory, so that it may change. Always
+        True in the blocking staging mode (``save()`` returned after the copy); with
+        ``staging="overlapped"`` the copy of optimized parameters and optimizer state
+        may still run when ``save()`` returns. A failed copy counts as staged (it has
+        ended; ``result()`` raises its error). Any thread."""
+        return self._staging is None or self._staging.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until ``staged()``; raise CheckpointTimeoutError if ``timeout`` runs out.
+        Any thread. Raises WriterClosedError in a process that inherited the handle
+        through fork()."""
+        if self.staged():
+            return
+        self._check_waitable()
+        assert self._staging is not None
+        if not self._staging.wait(timeout):
+            raise CheckpointTimeoutError(f"save of step {self.step} still staging after {timeout}s")
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save resolves; return its CheckpointInfo or raise its error.

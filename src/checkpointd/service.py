@@ -145,6 +145,8 @@ class WriteService:
             return
         try:
             try:
+                if handle._staging is not None:  # overlapped: the copy may still run
+                    await handle._staging.wait_async()
                 info = await self._commit(snapshot, limiter)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now

@@ -89,7 +89,9 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     ) -> SaveHandle:
         """Snapshot ``state`` for ``step`` and write it in the background.
 
-        Returns once the snapshot is taken: the caller may change its tensors.
+        Returns once the snapshot is taken: the caller may change its tensors (with
+        ``staging="overlapped"``: once the parameters and optimizer state still being
+        copied are guarded by the optimizers' step pre-hooks; see ``wait_staged``).
         Blocks first while ``max_pending`` saves are in flight; interrupted there
         (Ctrl-C), it leaves the writer as it was. Raises at once for a bad or
         out-of-order step (see ``newer_steps``), an unstorable value or oversized
@@ -102,11 +104,11 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         service = self._service
         buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
         try:
-            snapshot = self._snapshot(step, state, buffer, plain, recorded)
+            snapshot, staging = self._snapshot(step, state, buffer, plain, recorded)
         except BaseException:
             self._loop.call(service.release_buffer, buffer)
             raise
-        handle = self._handle(step, started)
+        handle = self._handle(step, started, staging=staging)
         try:
             self._loop.call(service.submit, snapshot, handle)
         except Exception:
@@ -114,6 +116,17 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
             raise
         handle.blocked_seconds = time.perf_counter() - started
         return handle
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the latest save's state is all in host memory, so that any of its
+        tensors may change (with ``staging="overlapped"``; at once otherwise).
+
+        For changes other than ``optimizer.step()`` to parameters or optimizer state.
+        Raises CheckpointTimeoutError if ``timeout`` runs out. A copy that failed
+        ends staging too: its error fails the save's handle and is raised by
+        ``wait()``, the next ``save()`` or ``close()``. Training thread.
+        """
+        self._wait_staged(timeout)
 
     def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
         """Watch ``signals`` (default SIGTERM): their arrival sets ``preempted``.
@@ -191,6 +204,8 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
             return
         if self._preemption is not None:
             self._preemption.remove()
+        if self._stager is not None:
+            self._stager.close()  # staging goes on; the loop's close waits for it
         self._finalizer.detach()
         self._loop.close()
         self._pending.clear()
@@ -282,16 +297,26 @@ class AsyncCheckpointWriter(WriterBase):
             raise WriterClosedError("use the writer inside 'async with'")
         plain = self._before_save(step, metrics, metadata)
         recorded = self._record_specs(step, state, specs, associations)
+        if self._stager is not None:  # the previous save's copy: waited for off the loop
+            await anyio.to_thread.run_sync(self._stager.wait)
         buffer = await self._service.acquire_buffer()
         try:
-            snapshot = self._snapshot(step, state, buffer, plain, recorded)
+            snapshot, staging = self._snapshot(step, state, buffer, plain, recorded)
         except BaseException:
             self._service.release_buffer(buffer)
             raise
-        handle = self._handle(step, started, anyio.Event())
+        handle = self._handle(step, started, anyio.Event(), staging)
         await self._service.submit(snapshot, handle)
         handle.blocked_seconds = time.perf_counter() - started
         return handle
+
+    async def wait_staged(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Wait until the latest save's state is all in host memory; see
+        ``CheckpointWriter.wait_staged``."""
+        self._check_usable()
+        stager = self._stager
+        if stager is not None and not await anyio.to_thread.run_sync(stager.wait, timeout):
+            raise CheckpointTimeoutError(f"the latest save still staging after {timeout}s")
 
     async def _drain(self) -> None:
         for handle in list(self._pending):
@@ -321,6 +346,8 @@ class AsyncCheckpointWriter(WriterBase):
             self._closed = True
             return
         self._closed = True
+        if self._stager is not None:
+            self._stager.close()
         group, self._group = self._group, None
         try:
             await self._drain()

@@ -25,6 +25,7 @@ from checkpointd.capture import StagingBuffer, capture
 from checkpointd.distributed import LOCAL, Group, split_state
 from checkpointd.errors import (
     CheckpointExistsError,
+    CheckpointTimeoutError,
     InvalidArgumentError,
     StepOrderError,
     StorageError,
@@ -38,6 +39,7 @@ from checkpointd.plan import Snapshot
 from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.retention import RetentionPolicy
 from checkpointd.service import NewerSteps, WriteService
+from checkpointd.staging import STAGING_MODES, Stager, Staging, StagingMode
 from checkpointd.storage import LocalStore, open_store
 from checkpointd.tunables import (
     DEFAULT_MAX_CONCURRENCY,
@@ -83,6 +85,15 @@ class WriterBase:
     retention and gc delete a blob only when no committed manifest uses it. Single
     process only for now: with many ranks it raises InvalidArgumentError.
 
+    ``staging``: ``"blocking"`` (default) copies the whole state into host memory
+    before ``save()`` returns. ``"overlapped"`` copies the parameters of the
+    optimizers in the state and those optimizers' state tensors in the background
+    while training goes on (a step pre-hook on each such optimizer waits for the
+    copy, so ``optimizer.step()`` cannot change them mid-copy); every other tensor
+    (buffers such as BatchNorm statistics, EMA weights, user tensors) is copied
+    before ``save()`` returns. Only ``optimizer.step()`` is guarded: change those
+    tensors any other way only after ``wait_staged()``. See staging.py.
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
@@ -104,6 +115,7 @@ class WriterBase:
         retention: RetentionPolicy | None = None,
         process_group: Any = None,
         incremental: bool = False,
+        staging: StagingMode = "blocking",
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -120,9 +132,13 @@ class WriterBase:
             raise InvalidArgumentError(
                 f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
             )
+        if staging not in STAGING_MODES:
+            raise InvalidArgumentError(f"staging must be one of {STAGING_MODES}, not {staging!r}")
         loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
         self.policy = _policy(retention, loose)
         self.background_niceness = background_niceness
+        self.staging: StagingMode = staging
+        self._stager = Stager() if staging == "overlapped" else None
         self.newer_steps: NewerSteps = newer_steps
         self.root = str(root)
         self.storage_options = None if storage_options is None else dict(storage_options)
@@ -243,22 +259,34 @@ class WriterBase:
         buffer: StagingBuffer,
         plain: tuple[dict[str, Any], dict[str, Any]],
         specs: dict[str, SpecEntry] | None = None,
-    ) -> Snapshot:
+    ) -> tuple[Snapshot, Staging | None]:
+        """Capture ``state`` into ``buffer``. Overlapped staging: waits for the previous
+        save's staging first, and returns this save's Staging (copies may still run)."""
         created_at = datetime.now(UTC)
         group = self._ranks
         captured, per_rank = split_state(state, None if group is None else group.rank)
-        if group is not None or _distributed():
-            from checkpointd.optimizers import by_parameter_name
+        staging, copier = None, None
+        if self._stager is not None:
+            # before optimizers become state dicts by parameter name: the stager finds
+            # them (and their tensors, which those state dicts share) here
+            staging, copier = self._stager.begin(captured)
+        try:
+            if group is not None or _distributed():
+                from checkpointd.optimizers import by_parameter_name
 
-            captured = by_parameter_name(captured, ranked=group is not None)
-        components = capture(captured, buffer, ranked=group is not None)
-        if held := [c.name for c in components if c.shards and c.name in per_rank]:
-            raise UnsupportedValueError(
-                f"per-rank components {[per_rank[n] for n in held]} hold DTensors: save "
-                "DTensors in ordinary components (each rank's shards are stored as its own)"
-            )
-        attempt = 0 if group is None else group.attempt(step)
-        return Snapshot(
+                captured = by_parameter_name(captured, ranked=group is not None)
+            components = capture(captured, buffer, copier, ranked=group is not None)
+            if held := [c.name for c in components if c.shards and c.name in per_rank]:
+                raise UnsupportedValueError(
+                    f"per-rank components {[per_rank[n] for n in held]} hold DTensors: save "
+                    "DTensors in ordinary components (each rank's shards are stored as its own)"
+                )
+            attempt = 0 if group is None else group.attempt(step)
+        except BaseException:
+            if staging is not None and staging.started:
+                staging.wait()  # the caller releases the buffer: no copy may still write
+            raise
+        snapshot = Snapshot(
             step,
             components,
             buffer,
@@ -269,9 +297,23 @@ class WriterBase:
             per_rank=per_rank,
             rank=0 if group is None else group.rank,
         )
+        return snapshot, staging
 
-    def _handle(self, step: int, started: float, event: anyio.Event | None = None) -> SaveHandle:
+    def _wait_staged(self, timeout: float | None) -> None:
+        """Block until the latest save's staging has ended (caller's thread)."""
+        self._check_usable()
+        if self._stager is not None and not self._stager.wait(timeout):
+            raise CheckpointTimeoutError(f"the latest save still staging after {timeout}s")
+
+    def _handle(
+        self,
+        step: int,
+        started: float,
+        event: anyio.Event | None = None,
+        staging: Staging | None = None,
+    ) -> SaveHandle:
         handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)
+        handle._staging = staging
         self._pending.append(handle)
         return handle
 

@@ -52,3 +52,30 @@ def test_incremental_benchmark_smoke(tmp_path: Path) -> None:
     assert lora["incremental"]["storage_bytes"] < lora["full"]["storage_bytes"]
     assert results["changing"]["incremental"]["written_median"] > 0
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+def test_overlap_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_overlap
+
+    results = bench_overlap.main(["--smoke", "--dir", str(tmp_path)])
+    for mode in ("blocking", "overlapped"):
+        for figure in ("blocked", "staged"):
+            assert results["median"][mode][figure] > 0, (mode, figure)
+        assert len(results["raw"][mode]["stall"]) == 2
+    assert "overlapped" in capsys.readouterr().out
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+@pytest.mark.timeout(60)
+def test_gpu_staging_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without CUDA it says so and exits 0; with CUDA it runs its tiny mode."""
+    import torch
+
+    from benchmarks import bench_gpu_staging
+
+    assert bench_gpu_staging.main(["--smoke", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    if torch.cuda.is_available():
+        assert "D2H floor" in out
+    else:
+        assert "no CUDA device" in out
