@@ -211,6 +211,7 @@ async def _gather(
     rank, or (``join``) a live rank that has not posted within JOIN_SECONDS."""
     got: dict[int, bytes] = {}
     started = time.monotonic()
+    pause = tunables.POLL_SECONDS / 16
     while True:
         missing = [r for r in ranks if r not in got]
         got.update(await anyio.to_thread.run_sync(attempt.poll, kind, missing))
@@ -237,7 +238,8 @@ async def _gather(
                 "(to save from one process alone, make its writer with "
                 "process_group=checkpointd.LOCAL)"
             )
-        await anyio.sleep(tunables.POLL_SECONDS)
+        await anyio.sleep(pause)
+        pause = min(pause * 2, tunables.POLL_SECONDS)  # quick when the others are close
 
 
 async def commit_ranked(

@@ -124,4 +124,5 @@ JOIN_SECONDS = 120.0
 same step (``if rank == 0: save()``), before the save fails naming it."""
 
 POLL_SECONDS = 0.05
-"""Pause between two looks at the store while a rank waits for the others."""
+"""Longest pause between two looks at the store while a rank waits for the others (the
+first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
