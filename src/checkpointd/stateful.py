@@ -133,6 +133,8 @@ def dtensor_templates(name: str, target: Any, targets: Mapping[str, Any]) -> dic
         return found
     if is_stateful(live) and not is_random_generator(live):
         tree = live.state_dict()
+    elif isinstance(live, Mapping | list | tuple):
+        tree = live  # a plain container target: its own DTensors are the templates
     else:
         return {}
     return {"/".join(path): leaf for path, leaf in walk(tree) if is_dtensor(leaf)}

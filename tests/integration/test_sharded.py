@@ -221,3 +221,25 @@ def test_inspect_verify_and_export_a_sharded_checkpoint(
     from safetensors.torch import load_file
 
     same(torch.load(saved / "save.pt")["model"], load_file(str(target)))
+
+
+def test_odd_dtensors_reshard_into_other_placements(tmp_path: Path) -> None:
+    """Empty shards (2 rows over 3 ranks), Shard(1), bool, bfloat16, a replicated
+    scalar and a DTensor as a component: saved on 3 ranks, restored on 2 under other
+    placements into a plain dict and a bare DTensor, and loaded whole in one process."""
+    from tests.support.dtensor_job import full_state
+
+    root = str(tmp_path / "root")
+    saved = run_ranks(
+        "tests.support.dtensor_job", ["save", root, str(tmp_path / "s")], tmp_path / "s", 3
+    )
+    assert all(r is not None and r["ok"] for r in saved), saved
+    out = tmp_path / "r"
+    restored = run_ranks("tests.support.dtensor_job", ["restore", root, str(out)], out, 2)
+    for report in restored:
+        assert report is not None
+        assert report["ok"], report
+        assert report["equal"] == dict.fromkeys([*full_state(), "whole"], True)
+    loaded = checkpointd.load(root).state
+    same(full_state(), loaded["t"])
+    same(full_state()["col"], loaded["whole"])
