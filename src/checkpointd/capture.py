@@ -107,6 +107,9 @@ class CapturedComponent:
     shard_entries: list[TensorEntry] = field(default_factory=list)
     shard_offset: int = 0
     shard_nbytes: int = 0
+    blobs: dict[str, str] = field(default_factory=dict)
+    """Tensors an incremental writer found unchanged at capture -> their stored blob: their
+    place in the arena is left unfilled (see incremental.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +381,10 @@ Copy = tuple[torch.Tensor, torch.Tensor]
 Copier = Callable[[list[Copy], bool], None]
 """Performs a save's copies into the arena: ``(copies, uses_cuda)``; see staging.py."""
 
+Prehash = Callable[[str, str, torch.Tensor], str | None]
+"""``(component, tensor name, tensor)`` -> the blob already holding those bytes, or None
+to copy the tensor (an incremental writer's ``IncrementalSaver.prehash``)."""
+
 
 def capture(
     state: Mapping[str, Any],
@@ -385,6 +392,7 @@ def capture(
     copier: Copier | None = None,
     *,
     ranked: bool = False,
+    prehash: Prehash | None = None,
 ) -> list[CapturedComponent]:
     """Snapshot ``state`` into ``buffer``; returns once every byte is in host memory,
     or, with a ``copier`` (overlapped staging), once it has issued the copies.
@@ -398,11 +406,15 @@ def capture(
             f"state must be a mapping of component name to value, not {type(state).__qualname__}"
         )
     with torch.no_grad():  # no autograd bookkeeping: detach/to_local are plain then
-        return _capture(state, buffer, copier, ranked)
+        return _capture(state, buffer, copier, ranked, prehash)
 
 
 def _capture(
-    state: Mapping[str, Any], buffer: StagingBuffer, copier: Copier | None, ranked: bool
+    state: Mapping[str, Any],
+    buffer: StagingBuffer,
+    copier: Copier | None,
+    ranked: bool,
+    prehash: Prehash | None,
 ) -> list[CapturedComponent]:
     planned: list[tuple[CapturedComponent, list[_Source]]] = []
     planned_shards: list[list[_Source]] = []
@@ -413,6 +425,10 @@ def _capture(
         tree = walker.walk(component_state(value, name), ())
         ordered, entries, nbytes = _layout(walker.sources)
         component = CapturedComponent(name, tree, entries, total, nbytes, walker.shards)
+        if prehash is not None:
+            for source in ordered:
+                if (blob := prehash(name, source.name, source.tensor)) is not None:
+                    component.blobs[source.name] = blob
         total += _aligned(nbytes)
         shard_sources, component.shard_entries, component.shard_nbytes = _layout(
             walker.shard_sources
@@ -422,16 +438,19 @@ def _capture(
         planned.append((component, ordered))
         planned_shards.append(shard_sources)
 
-    regions = [(sources, component.entries, component.offset) for component, sources in planned] + [
-        (sources, component.shard_entries, component.shard_offset)
+    regions = [
+        (sources, component.entries, component.offset, component.blobs)
+        for component, sources in planned
+    ] + [
+        (sources, component.shard_entries, component.shard_offset, {})
         for (component, _), sources in zip(planned, planned_shards, strict=True)
     ]
-    uses_cuda = any(s.tensor.device.type == "cuda" for sources, _, _ in regions for s in sources)
+    uses_cuda = any(s.tensor.device.type == "cuda" for r in regions for s in r[0])
     arena = buffer.reserve(total, pinned=uses_cuda)
     copies: list[Copy] = []
-    for sources, entries, offset in regions:
+    for sources, entries, offset, stored in regions:
         for source, entry in zip(sources, entries, strict=True):
-            if source.nbytes == 0:
+            if source.nbytes == 0 or source.name in stored:
                 continue
             begin = offset + entry.begin
             target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)

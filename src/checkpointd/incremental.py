@@ -8,27 +8,34 @@ one of those blobs, write every other to ``blobs/NAME``; check that every
 blob it lists is still stored (and write it again from the snapshot if not);
 then commit the step's own files and manifest as any save (commit.commit_plan)
 and drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
-step's tensor file. The caller's thread does nothing more than for a full save.
-docs/format.md ("Shared tensor data") is the spec.
+step's tensor file. docs/format.md ("Shared tensor data") is the spec.
+
+A tensor that the last save found unchanged (a frozen base weight) is hashed on
+the caller's thread at the next capture instead of copied (``prehash``): hashing
+runs at about 6x the speed of the copy, so ``save()`` returns sooner, and if the
+bytes still match, nothing of it is copied, hashed again or written. Any other
+tensor is copied as in a full save and hashed in the background, so a state that
+changes on every save does not block longer.
 """
 
 from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import msgspec
+import torch
 
 from checkpointd import catalog, tunables
 from checkpointd.capture import CapturedComponent
 from checkpointd.commit import commit_plan, open_step
 from checkpointd.digest import blob_name
-from checkpointd.errors import CheckpointNotFoundError, StorageError
+from checkpointd.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from checkpointd.format import encode_tree
 from checkpointd.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
 from checkpointd.layout import BLOBS_DIR, HEADER_ALIGN, blob_path, tensor_file_name, tree_file_name
@@ -57,6 +64,8 @@ class SaveStats:
     referenced_bytes: int = 0
     repaired: int = 0
     """Referenced blobs found missing before the publish, written again from the snapshot."""
+    prehashed: int = 0
+    """Tensors found unchanged at capture (hashed on the caller's thread, never copied)."""
 
 
 @dataclass(slots=True)
@@ -113,6 +122,27 @@ class IncrementalSaver:
         self.store = store
         self.previous: dict[str, BlobEntry] | None = None
         self.stats = SaveStats()
+        self.unchanged: Mapping[tuple[str, str], BlobRef] = {}
+        """(component, tensor) -> blob, for the tensors the last save referenced (they had
+        not changed): ``prehash`` candidates. Replaced whole by the loop, read by the caller."""
+
+    def prehash(self, component: str, name: str, tensor: torch.Tensor) -> str | None:
+        """During capture, on the caller's thread: the blob of ``tensor`` if it is one the
+        last save found unchanged and its bytes still hash to that blob (then capture does
+        not copy it); None otherwise (capture copies it). Host tensors only."""
+        ref = self.unchanged.get((component, name))
+        if (
+            ref is None
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or DTYPE_CODES.get(tensor.dtype) != ref.dtype
+            or list(tensor.shape) != ref.shape
+        ):
+            return None
+        data = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+        return ref.blob if blob_name(data) == ref.blob else None
 
     async def commit(
         self,
@@ -132,15 +162,22 @@ class IncrementalSaver:
         try:
             blobs = _Blobs(dict(self.previous))
             await _in_thread(limiter, store.make_dir, BLOBS_DIR)
+            prehashed = await self._prehashed(snapshot, blobs, limiter)
             async with anyio.create_task_group() as group:
                 for component in snapshot.components:
                     for entry in _large(component):
+                        if entry.name in component.blobs:
+                            continue
                         view = snapshot.buffer.view(component.offset + entry.begin, _size(entry))
                         group.start_soon(self._blob, blobs, component.name, entry, view, limiter)
             stats = await self._check_stored(blobs, limiter)
+            stats.prehashed = prehashed
             await _in_thread(limiter, store.sync_dir, BLOBS_DIR)
             plan = _plan(snapshot, token, blobs)
             info = await commit_plan(store, plan, limiter, identity=identity)
+        except BaseException:
+            self.unchanged = {}  # the next save copies everything: it trusts nothing of this one
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await _in_thread(limiter, remove_pin, store, pin)
@@ -148,8 +185,41 @@ class IncrementalSaver:
             name: msgspec.structs.replace(entry, written=False)
             for name, entry in blobs.used.items()
         }
+        self.unchanged = {
+            (component, tensor): ref
+            for component, refs in blobs.refs.items()
+            for tensor, ref in refs.items()
+            if not blobs.used[ref.blob].written
+        }
         self.stats = stats
         return info
+
+    async def _prehashed(
+        self, snapshot: Snapshot, blobs: _Blobs, limiter: anyio.CapacityLimiter
+    ) -> int:
+        """Reference the tensors capture found unchanged (``component.blobs``): their bytes
+        were never copied, so their blobs must be stored already (listed by the previous
+        checkpoint, and still on storage); raises CheckpointError if one is not. Event loop."""
+        count = 0
+        for component in snapshot.components:
+            for entry in component.entries:
+                name = component.blobs.get(entry.name)
+                if name is None:
+                    continue
+                known = blobs.previous.get(name)
+                if known is None or not await _in_thread(limiter, _stored, self.store, known):
+                    raise CheckpointError(
+                        f"the save of step {snapshot.step} failed: blob {name} of unchanged "
+                        f"tensor {component.name}/{entry.name} is no longer stored (deleted by "
+                        "another process?); nothing was published, and the next save copies "
+                        "and writes every tensor"
+                    )
+                ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+                blobs.refs.setdefault(component.name, {})[entry.name] = ref
+                blobs.claimed.add(name)
+                blobs.used[name] = msgspec.structs.replace(known, written=False)
+                count += 1
+        return count
 
     async def _blob(
         self,
@@ -182,7 +252,12 @@ class IncrementalSaver:
         async def check(entry: BlobEntry) -> None:
             if await _in_thread(limiter, _stored, self.store, entry):
                 return
-            view = blobs.views[entry.name]
+            view = blobs.views.get(entry.name)
+            if view is None:  # only referenced by tensors capture did not copy
+                raise CheckpointError(
+                    f"blob {entry.name} vanished before the publish and this save holds no "
+                    "copy of its bytes; nothing was published, the next save writes it"
+                )
             blobs.used[entry.name] = await _in_thread(
                 limiter, _write_blob, self.store, entry.name, view
             )

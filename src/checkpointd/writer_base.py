@@ -275,7 +275,14 @@ class WriterBase:
                 from checkpointd.optimizers import by_parameter_name
 
                 captured = by_parameter_name(captured, ranked=group is not None)
-            components = capture(captured, buffer, copier, ranked=group is not None)
+            saver = self._service.incremental
+            components = capture(
+                captured,
+                buffer,
+                copier,
+                ranked=group is not None,
+                prehash=None if saver is None else saver.prehash,
+            )
             if held := [c.name for c in components if c.shards and c.name in per_rank]:
                 raise UnsupportedValueError(
                     f"per-rank components {[per_rank[n] for n in held]} hold DTensors: save "

@@ -268,3 +268,47 @@ def test_incremental_with_many_ranks_is_refused(
     with pytest.raises(InvalidArgumentError, match="2 ranks"):
         checkpointd.CheckpointWriter(local_root.url, incremental=True)
     assert closed == [True]
+
+
+def test_a_tensor_unchanged_at_the_last_save_is_hashed_at_capture_not_copied(
+    local_root: Root,
+) -> None:
+    base = frozen_base()
+    with checkpointd.CheckpointWriter(local_root.url, incremental=True) as writer:
+        saver = writer._service.incremental
+        assert saver is not None
+        writer.save(1, lora_state(1, base)).result()  # writes the base
+        writer.save(2, lora_state(2, base)).result()  # finds it unchanged in the background
+        assert saver.stats.prehashed == 0
+        writer.save(3, lora_state(3, base)).result()  # hashes it at capture: never copied
+        assert saver.stats.prehashed == len(base)
+        before = base["layer0.weight"].clone()
+        base["layer0.weight"].add_(1.0)  # one base tensor changes: copied and written again
+        info = writer.save(4, lora_state(4, base)).result()
+        assert saver.stats.prehashed == len(base) - 1
+        assert saver.stats.written == 3  # the changed base tensor, the adapter, exp_avg
+    assert info.step == 4
+    for step in (3, 4):
+        loaded = checkpointd.load(local_root.url, step=step).state["model"]
+        for name, tensor in base.items():
+            expected = before if (step, name) == (3, "layer0.weight") else tensor
+            assert torch.equal(loaded[name], expected), (step, name)
+
+
+def test_a_blob_deleted_under_an_uncopied_tensor_fails_the_save_and_the_next_copies(
+    local_root: Root,
+) -> None:
+    base = frozen_base()
+    store = open_store(local_root.url)
+    with checkpointd.CheckpointWriter(local_root.url, incremental=True) as writer:
+        for step in (1, 2):
+            writer.save(step, lora_state(step, base)).result()
+        for name in _blobs(store):  # another process deletes every shared blob
+            store.remove_file(blob_path(name))
+        with pytest.raises(checkpointd.CheckpointError, match="no longer stored"):
+            writer.save(3, lora_state(3, base)).result()
+        writer.save(4, lora_state(4, base)).result()  # copies and writes everything again
+    assert [i.step for i in checkpointd.list_checkpoints(local_root.url)] == [1, 2, 4]
+    assert same(
+        checkpointd.load(local_root.url, step=4).state["model"], lora_state(4, base)["model"]
+    )
