@@ -43,12 +43,13 @@ from checkpointd.plan import SavePlan, WriteFile
 from checkpointd.retention import WriterIdentity
 from checkpointd.storage import FileSink, Store
 
-__all__ = ["commit_plan"]
+__all__ = ["commit_plan", "in_thread", "open_step", "publish_manifest", "write_files"]
 
 T = TypeVar("T")
 
 
-async def _in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread under the save's ``limiter``; from the event loop."""
     return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
@@ -87,8 +88,8 @@ async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> 
 
     First of a save's steps, before anything is written. Event loop."""
     folder = step_dirname(step)
-    await _in_thread(limiter, store.make_dir, folder)
-    if await _in_thread(limiter, store.exists, f"{folder}/{MANIFEST_NAME}"):
+    await in_thread(limiter, store.make_dir, folder)
+    if await in_thread(limiter, store.exists, f"{folder}/{MANIFEST_NAME}"):
         raise CheckpointExistsError(f"step {step} is already committed at {step_path(store, step)}")
 
 
@@ -108,10 +109,10 @@ async def write_files(
     folder = step_dirname(step)
 
     async def stream(file: WriteFile) -> None:
-        streamed.append(await _in_thread(limiter, _stream_file, store, folder, file))
+        streamed.append(await in_thread(limiter, _stream_file, store, folder, file))
 
     async def commit(sink: FileSink, entry: FileEntry) -> None:
-        await _in_thread(limiter, _commit_file, sink)
+        await in_thread(limiter, _commit_file, sink)
         streamed.remove((sink, entry))
         committed.append(entry)
 
@@ -121,7 +122,7 @@ async def write_files(
     async with anyio.create_task_group() as group:
         for sink, entry in list(streamed):
             group.start_soon(commit, sink, entry)
-    await _in_thread(limiter, store.sync_dir, folder)
+    await in_thread(limiter, store.sync_dir, folder)
 
 
 async def publish_manifest(
@@ -132,7 +133,7 @@ async def publish_manifest(
     step = manifest.step
     path = f"{step_dirname(step)}/{MANIFEST_NAME}"
     try:
-        await _in_thread(limiter, store.publish, path, encode_manifest(manifest))
+        await in_thread(limiter, store.publish, path, encode_manifest(manifest))
     except CheckpointExistsError:
         raise CheckpointExistsError(
             f"step {step} was committed by another writer at {step_path(store, step)}"
@@ -179,13 +180,13 @@ async def commit_plan(
         await publish_manifest(store, manifest, limiter)
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await _in_thread(limiter, _clean_up, store, step, streamed, committed)
+            await in_thread(limiter, _clean_up, store, step, streamed, committed)
         raise
     if identity is not None:
         identity.note_commit(time.monotonic())
     listed = [f.path for f in manifest.files]
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-        await _in_thread(limiter, _sweep, store, folder, listed)
+        await in_thread(limiter, _sweep, store, folder, listed)
     return CheckpointInfo.from_manifest(manifest, step_path(store, step))
 
 

@@ -20,11 +20,9 @@ changes on every save does not block longer.
 
 from __future__ import annotations
 
-import functools
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -33,25 +31,19 @@ import torch
 
 from checkpointd import catalog, tunables
 from checkpointd.capture import CapturedComponent
-from checkpointd.commit import commit_plan, open_step
+from checkpointd.commit import commit_plan, in_thread, open_step
 from checkpointd.digest import blob_name
 from checkpointd.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from checkpointd.format import encode_tree
 from checkpointd.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
 from checkpointd.layout import BLOBS_DIR, HEADER_ALIGN, blob_path, tensor_file_name, tree_file_name
 from checkpointd.manifest import BlobEntry, BlobRef, CheckpointInfo, ComponentEntry
-from checkpointd.plan import PlannedFile, SavePlan, Snapshot, WriteFile
+from checkpointd.plan import PlannedFile, SavePlan, Snapshot, WriteFile, plan_shards
 from checkpointd.retention import WriterIdentity
 from checkpointd.shared import remove_pin, write_pin
 from checkpointd.storage import Store
 
 __all__ = ["IncrementalSaver", "SaveStats"]
-
-T = TypeVar("T")
-
-
-async def _in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
 @dataclass(slots=True)
@@ -155,13 +147,13 @@ class IncrementalSaver:
         durable. Raises as ``commit.commit_plan``. Event loop."""
         store = self.store
         if self.previous is None:
-            self.previous = await _in_thread(limiter, _newest_blobs, store)
+            self.previous = await in_thread(limiter, _newest_blobs, store)
         token = secrets.token_hex(4)
         await open_step(store, snapshot.step, limiter)
-        pin = await _in_thread(limiter, write_pin, store, snapshot.step, token, self.previous)
+        pin = await in_thread(limiter, write_pin, store, snapshot.step, token, self.previous)
         try:
             blobs = _Blobs(dict(self.previous))
-            await _in_thread(limiter, store.make_dir, BLOBS_DIR)
+            await in_thread(limiter, store.make_dir, BLOBS_DIR)
             prehashed = await self._prehashed(snapshot, blobs, limiter)
             async with anyio.create_task_group() as group:
                 for component in snapshot.components:
@@ -172,15 +164,15 @@ class IncrementalSaver:
                         group.start_soon(self._blob, blobs, component.name, entry, view, limiter)
             stats = await self._check_stored(blobs, limiter)
             stats.prehashed = prehashed
-            await _in_thread(limiter, store.sync_dir, BLOBS_DIR)
-            plan = _plan(snapshot, token, blobs)
+            await in_thread(limiter, store.sync_dir, BLOBS_DIR)
+            plan = await in_thread(limiter, _plan, snapshot, token, blobs)
             info = await commit_plan(store, plan, limiter, identity=identity)
         except BaseException:
             self.unchanged = {}  # the next save copies everything: it trusts nothing of this one
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await _in_thread(limiter, remove_pin, store, pin)
+                await in_thread(limiter, remove_pin, store, pin)
         self.previous = {
             name: msgspec.structs.replace(entry, written=False)
             for name, entry in blobs.used.items()
@@ -207,7 +199,7 @@ class IncrementalSaver:
                 if name is None:
                     continue
                 known = blobs.previous.get(name)
-                if known is None or not await _in_thread(limiter, _stored, self.store, known):
+                if known is None or not await in_thread(limiter, _stored, self.store, known):
                     raise CheckpointError(
                         f"the save of step {snapshot.step} failed: blob {name} of unchanged "
                         f"tensor {component.name}/{entry.name} is no longer stored (deleted by "
@@ -230,7 +222,7 @@ class IncrementalSaver:
         limiter: anyio.CapacityLimiter,
     ) -> None:
         """Hash one large tensor, then reference its blob or write it. Event loop."""
-        name = await _in_thread(limiter, blob_name, view)
+        name = await in_thread(limiter, blob_name, view)
         ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
         blobs.refs.setdefault(component, {})[entry.name] = ref
         blobs.views.setdefault(name, view)
@@ -241,7 +233,7 @@ class IncrementalSaver:
         if known is not None and known.size == len(view):
             blobs.used[name] = msgspec.structs.replace(known, written=False)
             return
-        blobs.used[name] = await _in_thread(limiter, _write_blob, self.store, name, view)
+        blobs.used[name] = await in_thread(limiter, _write_blob, self.store, name, view)
 
     async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
         """Make sure every blob the manifest will list is stored, referenced ones and ones
@@ -250,7 +242,7 @@ class IncrementalSaver:
         stats = SaveStats()
 
         async def check(entry: BlobEntry) -> None:
-            if await _in_thread(limiter, _stored, self.store, entry):
+            if await in_thread(limiter, _stored, self.store, entry):
                 return
             view = blobs.views.get(entry.name)
             if view is None:  # only referenced by tensors capture did not copy
@@ -258,7 +250,7 @@ class IncrementalSaver:
                     f"blob {entry.name} vanished before the publish and this save holds no "
                     "copy of its bytes; nothing was published, the next save writes it"
                 )
-            blobs.used[entry.name] = await _in_thread(
+            blobs.used[entry.name] = await in_thread(
                 limiter, _write_blob, self.store, entry.name, view
             )
             stats.repaired += 1
@@ -286,8 +278,9 @@ def _large(component: CapturedComponent) -> list[TensorEntry]:
 
 
 def _plan(snapshot: Snapshot, token: str, blobs: _Blobs) -> SavePlan:
-    """The step's own files (trees, and the small tensors of each component) plus the
-    blob entries and refs for the manifest. Event loop or any thread."""
+    """The step's own files (trees, the small tensors of each component, and this
+    process's shards of its DTensors) plus the blob entries and refs for the manifest.
+    Worker thread (shard blocks are checksummed here)."""
     files: list[PlannedFile] = []
     components: dict[str, ComponentEntry] = {}
     for component in snapshot.components:
@@ -318,16 +311,9 @@ def _plan(snapshot: Snapshot, token: str, blobs: _Blobs) -> SavePlan:
             tensors=tensor_files,
             nbytes=component.nbytes,
             num_tensors=len(component.entries),
+            sharded=plan_shards(component, snapshot, token, files),
             refs=refs,
         )
-    return SavePlan(
-        step=snapshot.step,
-        files=files,
-        components=components,
-        created_at=snapshot.created_at,
-        metrics=snapshot.metrics,
-        metadata=snapshot.metadata,
-        specs=snapshot.specs,
-        per_rank=snapshot.per_rank,
-        blobs=sorted(blobs.used.values(), key=lambda b: b.name),
+    return SavePlan.of(
+        snapshot, files, components, sorted(blobs.used.values(), key=lambda b: b.name)
     )

@@ -37,7 +37,7 @@ from checkpointd.layout import (
 from checkpointd.manifest import BlobEntry, ComponentEntry, ShardedTensor, ShardEntry, SpecEntry
 from checkpointd.tunables import DIRECT_MIN_BYTES, SHARD_BLOCK_BYTES
 
-__all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_snapshot"]
+__all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_shards", "plan_snapshot"]
 
 
 @dataclass(slots=True)
@@ -102,6 +102,28 @@ class SavePlan:
     """Shared blobs the manifest lists (incremental saves: incremental.py writes them
     before the commit; ``commit_plan`` only records them)."""
 
+    @classmethod
+    def of(
+        cls,
+        snapshot: Snapshot,
+        files: list[PlannedFile],
+        components: dict[str, ComponentEntry],
+        blobs: list[BlobEntry] | None = None,
+    ) -> SavePlan:
+        """The plan of ``snapshot`` with these files and component entries (and, for an
+        incremental save, these shared blobs); the other fields come from the snapshot."""
+        return cls(
+            step=snapshot.step,
+            files=files,
+            components=components,
+            created_at=snapshot.created_at,
+            metrics=snapshot.metrics,
+            metadata=snapshot.metadata,
+            specs=snapshot.specs,
+            per_rank=snapshot.per_rank,
+            blobs=blobs or [],
+        )
+
 
 def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
     """The files that store ``snapshot``: per component a tree file and, if it has
@@ -125,11 +147,7 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
             header = encode_safetensors_header(component.entries, align=align)
             data = snapshot.buffer.view(component.offset, component.nbytes)
             files.append(WriteFile(tensors, [header, data], name))
-        sharded: dict[str, ShardedTensor] = {}
-        if component.shards:
-            shard_file, sharded = _plan_shards(component, snapshot.buffer, token, snapshot.rank)
-            if shard_file is not None:
-                files.append(shard_file)
+        sharded = plan_shards(component, snapshot, token, files)
         components[name] = ComponentEntry(
             tree=tree,
             tensors=tensor_names,
@@ -137,30 +155,23 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
             num_tensors=len(component.entries),
             sharded=sharded,
         )
-    return SavePlan(
-        step=snapshot.step,
-        files=files,
-        components=components,
-        created_at=snapshot.created_at,
-        metrics=snapshot.metrics,
-        metadata=snapshot.metadata,
-        specs=snapshot.specs,
-        per_rank=snapshot.per_rank,
-    )
+    return SavePlan.of(snapshot, files, components)
 
 
-def _plan_shards(
-    component: CapturedComponent, buffer: StagingBuffer, token: str, rank: int
-) -> tuple[WriteFile | None, dict[str, ShardedTensor]]:
-    """The file of the shards this rank writes of ``component`` (None if it writes none)
-    and an entry per sharded tensor listing them; the publisher of a many-rank save
-    merges every rank's entries. Block CRC32Cs are computed here: call it off the loop."""
+def plan_shards(
+    component: CapturedComponent, snapshot: Snapshot, token: str, files: list[PlannedFile]
+) -> dict[str, ShardedTensor]:
+    """An entry per sharded tensor of ``component`` listing the shards this rank writes,
+    whose file (if it writes any) is appended to ``files``; the publisher of a many-rank
+    save merges every rank's entries. Block CRC32Cs are computed here: call it off the
+    loop. Used by full and incremental saves alike."""
+    buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
         s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
         for s in component.shards
     }
     if not component.shard_entries:
-        return None, sharded
+        return sharded
     name = shard_file_name(component.name, token, rank)
     align = DIRECT_ALIGN if component.shard_nbytes >= DIRECT_MIN_BYTES else HEADER_ALIGN
     header = encode_safetensors_header(component.shard_entries, align=align)
@@ -183,4 +194,5 @@ def _plan_shards(
                 blocks,
             )
         )
-    return WriteFile(name, [header, data], component.name, rank, own=True), sharded
+    files.append(WriteFile(name, [header, data], component.name, rank, own=True))
+    return sharded

@@ -39,8 +39,8 @@ from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import crc32c
 from checkpointd.commit import (
     _clean_up,
-    _in_thread,
     _sweep,
+    in_thread,
     open_step,
     publish_manifest,
     write_files,
@@ -277,14 +277,14 @@ async def commit_ranked(
             await anyio.to_thread.run_sync(attempt.post, "outcome", "ok")
         else:
             await _gather(attempt, "outcome", [group.publisher], join=False)
-            manifest = await _in_thread(limiter, read_manifest, store, plan.step)
+            manifest = await in_thread(limiter, read_manifest, store, plan.step)
     except BaseException as exc:
         leaf = first_leaf(exc)
         with anyio.CancelScope(shield=True):
             if not isinstance(leaf, RankFailedError):
                 what = f"{type(leaf).__name__}: {leaf}"
                 await anyio.to_thread.run_sync(attempt.fail, what)
-            await _in_thread(limiter, _clean_up, store, plan.step, streamed, committed)
+            await in_thread(limiter, _clean_up, store, plan.step, streamed, committed)
         if isinstance(exc, Exception) and leaf is not exc:
             raise leaf from None
         raise
@@ -294,7 +294,7 @@ async def commit_ranked(
         listed = [f.path for f in manifest.files]
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(Exception):
-                await _in_thread(limiter, _sweep, store, step_dirname(plan.step), listed)
+                await in_thread(limiter, _sweep, store, step_dirname(plan.step), listed)
     return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
 
 

@@ -141,6 +141,13 @@ def test_a_plain_process_checkpoint_restores_into_fsdp2_on_2(tmp_path: Path) -> 
     check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 2))
 
 
+def test_an_incremental_fsdp2_job_of_one_rank_restores_on_2(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    saved = job("save", "fsdp2", root, tmp_path / "save", 1, CHECKPOINTD_TEST_INCREMENTAL="1")
+    assert catalog.read_manifest(open_store(root), 1).components["model"].sharded
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 2))
+
+
 def test_hsdp_on_4_writes_each_shard_once_and_restores_into_fsdp2_on_2(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     saved = job("save", "hsdp", root, tmp_path / "save", 4)

@@ -15,7 +15,7 @@ on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
 WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
-save). Reports also carry ``shard_bytes_read``: bytes this rank read from shard files.
+save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True). Reports also carry ``shard_bytes_read``: bytes this rank read from shard files.
 """
 
 from __future__ import annotations
@@ -128,7 +128,10 @@ def main() -> None:
         if action == "save":
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
-            with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
+            incremental = os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1"
+            with checkpointd.CheckpointWriter(
+                root, storage_options=options, incremental=incremental
+            ) as writer:
                 started = time.perf_counter()
                 handle = writer.save(
                     1, {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
