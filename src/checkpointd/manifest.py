@@ -12,6 +12,7 @@ older ones through ``_MIGRATIONS``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -356,10 +357,10 @@ def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str 
             return f"shard file {shard.file!r} is not listed"
         if shard.block_bytes <= 0 or shard.begin < 0:
             return f"shard at {shard.offsets}: invalid begin or block size"
-        total += _volume(shard.shape)
-    if total != _volume(shape):
-        return f"shards hold {total} elements, the tensor {_volume(shape)}"
-    shards = sorted((s for s in sharded.shards if _volume(s.shape)), key=lambda s: s.offsets)
+        total += math.prod(shard.shape)
+    if total != math.prod(shape):
+        return f"shards hold {total} elements, the tensor {math.prod(shape)}"
+    shards = sorted((s for s in sharded.shards if math.prod(s.shape)), key=lambda s: s.offsets)
     for i, a in enumerate(shards):
         for b in shards[i + 1 :]:
             if shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
@@ -367,13 +368,6 @@ def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str 
             if _overlap(a, b):
                 return f"shards at {a.offsets} and {b.offsets} overlap"
     return None
-
-
-def _volume(shape: list[int]) -> int:
-    volume = 1
-    for dim in shape:
-        volume *= dim
-    return volume
 
 
 def _overlap(a: ShardEntry, b: ShardEntry) -> bool:

@@ -10,6 +10,7 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -205,7 +206,7 @@ class StepReader:
         first = sum(i * s for i, s in zip(inner, strides, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(part[1], strides, strict=True))
         size = dtype.itemsize
-        total = size * _volume(shard.shape)
+        total = size * math.prod(shard.shape)
         block = shard.block_bytes
         lo, hi = first * size // block, -(-(last + 1) * size // block)
         if hi > len(shard.crc32c) or total > shard.block_bytes * len(shard.crc32c):
@@ -325,13 +326,6 @@ class StepReader:
         if digest != expected:
             return f"CRC32C {digest:08x} does not match the manifest's {expected:08x}"
         return None
-
-
-def _volume(shape: list[int]) -> int:
-    volume = 1
-    for dim in shape:
-        volume *= dim
-    return volume
 
 
 class _ComponentTensors(Mapping[str, "torch.Tensor"]):
