@@ -1,24 +1,23 @@
 """One commit from many ranks: every rank writes its share, one rank publishes.
 
 Runs on each rank's writer event loop; store calls and file I/O go to worker
-threads. An attempt (the n-th of this writer at a step) has keys of its own in
-the group's store (``s{step}a{n}/...``):
+threads. The attempt's keys and its one outcome are rankattempt.py's:
 
 1. ``digest/{rank}``: each rank's digest of every component (CRC32C and size of
    the files the plan makes of it). A rank that does not post one within
-   JOIN_SECONDS while alive did not join the save (``if rank == 0: save()``): the
-   save fails naming it. Replicated components must agree on every rank; a
-   mismatch fails the save naming the component and the ranks (every rank sees
-   the same digests, so every rank raises the same error).
+   JOIN_SECONDS while alive did not join the save (``if rank == 0: save()``).
+   Replicated components must agree on every rank; a mismatch abandons the save
+   naming the component and the ranks.
 2. The files are spread over the ranks by size; each rank streams and commits
    its own (the single-process commit protocol), then posts ``files/{rank}``.
-3. The publisher waits for every rank's files, publishes the one manifest, and
-   posts ``outcome``; the others wait for it.
+3. The publisher waits for every rank's files, posts the manifest, wins the
+   ``committed`` outcome, publishes and posts ``published``; the others wait
+   for the outcome, and for ``published`` (publishing the posted manifest
+   themselves if the publisher dies first).
 
-A rank that fails posts ``fail/{rank}`` (and bumps ``failed``); a rank whose
-heartbeat stops is dead. Either way every rank fails with RankFailedError,
-removes the files it committed, and nothing is published: a dead rank's files
-are leftovers for ``gc``.
+Whoever gives up (a failure, a dead, closed or absent rank) must win
+``abandoned`` first; then every rank removes the files it committed and
+nothing is published. A dead rank's files are leftovers for ``gc``.
 """
 
 from __future__ import annotations
@@ -26,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from checkpointd import tunables
 from checkpointd._version import __version__
 from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import crc32c
@@ -45,26 +42,34 @@ from checkpointd.commit import (
     publish_manifest,
     write_files,
 )
-from checkpointd.distributed import Group, Liveness
-from checkpointd.errors import CheckpointError, RankFailedError
+from checkpointd.distributed import Group
+from checkpointd.errors import CheckpointExistsError, RankFailedError
 from checkpointd.handle import first_leaf
-from checkpointd.layout import step_dirname
+from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.manifest import (
     CheckpointInfo,
     ComponentEntry,
     FileEntry,
     Manifest,
     ShardedTensor,
+    decode_manifest,
+    encode_manifest,
     schema_for,
     shard_problem,
 )
 from checkpointd.plan import PlannedFile, SavePlan, WriteFile
+from checkpointd.rankattempt import (
+    COMMITTED,
+    FAILED,
+    OK,
+    Attempt,
+    gather,
+    wait_for,
+)
 from checkpointd.retention import WriterIdentity
 from checkpointd.storage import FileSink, Store
 
 __all__ = ["assign_ranks", "commit_ranked", "component_digests"]
-
-T = TypeVar("T")
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
@@ -103,8 +108,8 @@ def assign_ranks(
     return [ranked[f.name] for f in files]
 
 
-def _mismatch(step: int, posted: dict[int, dict[str, list[int]]]) -> str | None:
-    """The message for replicas that disagree, or None if every rank's digests agree."""
+def _mismatch(posted: dict[int, dict[str, list[int]]]) -> str | None:
+    """Why replicas disagree, or None if every rank's digests agree."""
     components = sorted({name for digests in posted.values() for name in digests})
     for name in components:
         groups: dict[str, list[int]] = {}
@@ -116,7 +121,7 @@ def _mismatch(step: int, posted: dict[int, dict[str, list[int]]]) -> str | None:
         if len(groups) > 1:
             ranks = "; ".join(f"ranks {r} have {key}" for key, r in groups.items())
             return (
-                f"the save of step {step} failed: component {name!r} differs between ranks "
+                f"component {name!r} differs between ranks "
                 f"({ranks}, as crc32c/bytes); replicated components must be equal on every "
                 "rank (wrap a per-rank component in checkpointd.PerRank)"
             )
@@ -134,114 +139,6 @@ class _Share(msgspec.Struct, frozen=True):
     """Per replicated component, its sharded tensors with the shards this rank wrote."""
 
 
-def _lost_store(method: Callable[..., T]) -> Callable[..., T]:
-    """Turn a failed store call (its host died: rank 0 or the launcher) into RankFailedError."""
-
-    @functools.wraps(method)
-    def call(self: _Attempt, *args: Any) -> T:
-        try:
-            return method(self, *args)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise RankFailedError(
-                f"the save of step {self.step} failed: the job's store is unreachable "
-                f"({type(exc).__name__}: {exc}); the rank that hosts it (rank 0 with "
-                "tcp:// or env:// init) or the launcher is probably gone; nothing was published"
-            ) from None
-
-    return call
-
-
-class _Attempt:
-    """One rank's view of one attempt's keys. Blocking calls: run them in worker threads."""
-
-    def __init__(self, group: Group, step: int, number: int) -> None:
-        self.group = group
-        self.step = step
-        self.prefix = f"s{step}a{number}/"
-        self.liveness = Liveness(group)
-
-    @_lost_store
-    def dead(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` whose heartbeat stopped."""
-        return self.liveness.dead(ranks)
-
-    @_lost_store
-    def closed(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` that closed their writer."""
-        return [r for r in ranks if self.group.closed(r)]
-
-    @_lost_store
-    def post(self, kind: str, value: Any) -> None:
-        self.group.store.set(f"{self.prefix}{kind}/{self.group.rank}", msgspec.json.encode(value))
-
-    def fail(self, message: str) -> None:
-        """Tell every rank this one failed (best effort)."""
-        with contextlib.suppress(Exception):
-            self.group.store.set(f"{self.prefix}fail/{self.group.rank}", message.encode())
-            self.group.store.add(f"{self.prefix}failed", 1)
-
-    @_lost_store
-    def check_failures(self) -> None:
-        """Raise RankFailedError if another rank posted a failure."""
-        if int(self.group.store.add(f"{self.prefix}failed", 0)) == 0:
-            return
-        for rank in range(self.group.world_size):
-            key = f"{self.prefix}fail/{rank}"
-            if rank != self.group.rank and self.group.store.check([key]):
-                why = self.group.store.get(key).decode(errors="replace")
-                raise RankFailedError(f"the save of step {self.step} failed on rank {rank}: {why}")
-
-    @_lost_store
-    def poll(self, kind: str, ranks: list[int]) -> dict[int, bytes]:
-        """The values of ``kind`` that ``ranks`` posted so far."""
-        found = {}
-        for rank in ranks:
-            key = f"{self.prefix}{kind}/{rank}"
-            if self.group.store.check([key]):
-                found[rank] = self.group.store.get(key)
-        return found
-
-
-async def _gather(
-    attempt: _Attempt, kind: str, ranks: list[int], *, join: bool
-) -> dict[int, bytes]:
-    """Wait until every rank of ``ranks`` posted ``kind``; fail on a posted failure, a dead
-    rank, or (``join``) a live rank that has not posted within JOIN_SECONDS."""
-    got: dict[int, bytes] = {}
-    started = time.monotonic()
-    pause = tunables.POLL_SECONDS / 16
-    while True:
-        missing = [r for r in ranks if r not in got]
-        got.update(await anyio.to_thread.run_sync(attempt.poll, kind, missing))
-        missing = [r for r in ranks if r not in got]
-        if not missing:
-            return got
-        await anyio.to_thread.run_sync(attempt.check_failures)
-        closed = await anyio.to_thread.run_sync(attempt.closed, missing)
-        if closed:
-            raise RankFailedError(
-                f"the save of step {attempt.step} failed: rank(s) {closed} closed their writer "
-                "without taking part in it; nothing was published"
-            )
-        dead = await anyio.to_thread.run_sync(attempt.dead, missing)
-        if dead:
-            raise RankFailedError(
-                f"the save of step {attempt.step} failed: rank(s) {dead} stopped responding "
-                f"(no heartbeat for {tunables.STALE_SECONDS}s); nothing was published"
-            )
-        if join and time.monotonic() - started > tunables.JOIN_SECONDS:
-            raise RankFailedError(
-                f"the save of step {attempt.step} failed: rank(s) {missing} did not join it "
-                f"within {tunables.JOIN_SECONDS}s; every rank must call save({attempt.step}) "
-                "(to save from one process alone, make its writer with "
-                "process_group=checkpointd.LOCAL)"
-            )
-        await anyio.sleep(pause)
-        pause = min(pause * 2, tunables.POLL_SECONDS)  # quick when the others are close
-
-
 async def commit_ranked(
     store: Store,
     plan: SavePlan,
@@ -252,39 +149,39 @@ async def commit_ranked(
     identity: WriterIdentity | None = None,
 ) -> CheckpointInfo:
     """This rank's part of the collective commit of ``plan`` (attempt ``number`` at its
-    step); returns the CheckpointInfo once the publisher published the manifest.
+    step); returns the CheckpointInfo once the manifest is published.
 
-    Raises RankFailedError if another rank failed, died or did not join, or replicas
-    differ; this rank's own error (posted to the others first) if it failed here.
+    Raises RankFailedError if the attempt was abandoned (another rank failed, died or
+    did not join, or replicas differ); this rank's own error if it failed here (after
+    abandoning the attempt for every rank). The same outcome on every rank.
     """
-    attempt = _Attempt(group, plan.step, number)
+    attempt = Attempt(group, plan.step, number)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
     everyone = list(range(group.world_size))
     try:
         digests = await anyio.to_thread.run_sync(component_digests, plan)
         await anyio.to_thread.run_sync(attempt.post, "digest", digests)
-        posted = await _gather(attempt, "digest", everyone, join=True)
-        message = _mismatch(
-            plan.step,
+        posted = await gather(attempt, "digest", everyone, join=True)
+        why = _mismatch(
             {r: msgspec.json.decode(v, type=dict[str, list[int]]) for r, v in posted.items()},
         )
-        if message is not None:
-            raise RankFailedError(message)
+        if why is not None:
+            attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.give_up, why))
         await _write_share(store, plan, limiter, attempt, streamed=streamed, committed=committed)
         if group.publishes:
             manifest = await _publish(store, plan, limiter, attempt, identity=identity)
-            await anyio.to_thread.run_sync(attempt.post, "outcome", "ok")
         else:
-            await _gather(attempt, "outcome", [group.publisher], join=False)
-            manifest = await in_thread(limiter, read_manifest, store, plan.step)
+            manifest = await _follow(store, limiter, attempt)
     except BaseException as exc:
         leaf = first_leaf(exc)
         with anyio.CancelScope(shield=True):
-            if not isinstance(leaf, RankFailedError):
-                what = f"{type(leaf).__name__}: {leaf}"
-                await anyio.to_thread.run_sync(attempt.fail, what)
-            await in_thread(limiter, _clean_up, store, plan.step, streamed, committed)
+            if await _may_remove(attempt, leaf):
+                await in_thread(limiter, _clean_up, store, plan.step, streamed, committed)
+            else:
+                for sink, _ in streamed:
+                    with contextlib.suppress(Exception):
+                        sink.discard()
         if isinstance(exc, Exception) and leaf is not exc:
             raise leaf from None
         raise
@@ -298,11 +195,27 @@ async def commit_ranked(
     return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
 
 
+async def _may_remove(attempt: Attempt, error: BaseException) -> bool:
+    """After ``error`` here: abandon the attempt unless that is decided already; True
+    if this rank may remove its files (the attempt is abandoned, or failed to publish),
+    False if a commit holds or the outcome is unknown (keep them: a manifest may list
+    them). Shielded, from commit_ranked's failure path."""
+    why = f"{type(error).__name__}: {error}"
+    try:
+        outcome = await anyio.to_thread.run_sync(attempt.give_up, why)
+        if outcome != COMMITTED:
+            return True
+        published = await anyio.to_thread.run_sync(attempt.read, "published")
+    except RankFailedError:
+        return False  # the store is gone: the outcome is unknown, gc decides later
+    return (published or b"").startswith(FAILED)
+
+
 async def _write_share(
     store: Store,
     plan: SavePlan,
     limiter: anyio.CapacityLimiter,
-    attempt: _Attempt,
+    attempt: Attempt,
     *,
     streamed: list[tuple[FileSink, FileEntry]],
     committed: list[FileEntry],
@@ -310,6 +223,7 @@ async def _write_share(
     """Stream and commit the files assigned to this rank, then post their entries
     (``streamed``/``committed`` collect them, for the clean-up on failure)."""
     group = attempt.group
+    attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.outcome))
     await open_step(store, plan.step, limiter)
     assigned = assign_ranks(plan.files, group.world_size, group.rank, plan.per_rank)
     mine = [f for f in assigned if f.rank == group.rank]
@@ -356,14 +270,86 @@ async def _publish(
     store: Store,
     plan: SavePlan,
     limiter: anyio.CapacityLimiter,
-    attempt: _Attempt,
+    attempt: Attempt,
     *,
     identity: WriterIdentity | None,
 ) -> Manifest:
-    """Wait for every rank's files, then publish the manifest listing all of them."""
+    """The publisher: wait for every rank's files, post the manifest listing them, win
+    ``committed``, publish it, post ``published``. Raises RankFailedError if the attempt
+    was abandoned first (nothing published); the publish's error after posting it."""
     group = attempt.group
-    posted = await _gather(attempt, "files", list(range(group.world_size)), join=False)
+    posted = await gather(attempt, "files", list(range(group.world_size)), join=False)
     shares = [msgspec.json.decode(posted[r], type=_Share) for r in sorted(posted)]
+    manifest = _merged_manifest(plan, group.world_size, shares, identity)
+    await anyio.to_thread.run_sync(attempt.set_once, "manifest", encode_manifest(manifest))
+    attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.decide, COMMITTED))
+    try:
+        await _publish_once(store, manifest, limiter)
+    except Exception as exc:
+        failed = FAILED + f"{type(exc).__name__}: {exc}".encode()
+        if await anyio.to_thread.run_sync(attempt.set_once, "published", failed) == OK:
+            return manifest  # a follower published it meanwhile (this rank was stalled)
+        raise
+    await _settle(store, limiter, attempt, manifest)
+    return manifest
+
+
+async def _follow(store: Store, limiter: anyio.CapacityLimiter, attempt: Attempt) -> Manifest:
+    """A rank that does not publish: wait for the outcome, then for ``published``; if the
+    publisher dies in between, publish the posted manifest in its place. Returns the
+    manifest; RankFailedError if the attempt was abandoned or its publish failed."""
+    publisher = [attempt.group.publisher]
+    outcome = await wait_for(attempt, attempt.outcome, publisher)
+    attempt.raise_if_abandoned(outcome)
+    posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
+    assert posted is not None  # posted before committed was proposed
+    manifest = decode_manifest(posted, where=f"the posted manifest of step {attempt.step}")
+    published = await wait_for(
+        attempt, functools.partial(attempt.read, "published"), publisher, give_up=False
+    )
+    if published is None:  # the publisher died after the commit was decided
+        await _publish_once(store, manifest, limiter)
+        await _settle(store, limiter, attempt, manifest)
+    elif published.startswith(FAILED):
+        why = published[len(FAILED) :].decode(errors="replace")
+        raise RankFailedError(
+            f"the save of step {attempt.step} failed: rank {attempt.group.publisher} could "
+            f"not publish its manifest ({why})"
+        )
+    return manifest
+
+
+async def _publish_once(store: Store, manifest: Manifest, limiter: anyio.CapacityLimiter) -> None:
+    """Publish ``manifest``; if one is there already, it must be this very manifest (a
+    stalled publisher and the follower that stood in for it publish the same bytes)."""
+    try:
+        await publish_manifest(store, manifest, limiter)
+    except CheckpointExistsError:
+        if await in_thread(limiter, read_manifest, store, manifest.step) != manifest:
+            raise
+
+
+async def _settle(
+    store: Store, limiter: anyio.CapacityLimiter, attempt: Attempt, manifest: Manifest
+) -> None:
+    """After this rank published ``manifest``: post ``published``. Should a stalled
+    publisher have posted that its publish failed first, withdraw ours (manifest first,
+    the deletion rule) and fail like every other rank."""
+    held = await anyio.to_thread.run_sync(attempt.set_once, "published", OK)
+    if held != OK:
+        path = f"{step_dirname(manifest.step)}/{MANIFEST_NAME}"
+        await in_thread(limiter, store.remove_file, path)
+        raise RankFailedError(
+            f"the save of step {attempt.step} failed: its publish failed on another rank "
+            f"({held[len(FAILED) :].decode(errors='replace')})"
+        )
+
+
+def _merged_manifest(
+    plan: SavePlan, world_size: int, shares: list[_Share], identity: WriterIdentity | None
+) -> Manifest:
+    """The one manifest of a many-rank save: every rank's files and per-rank components,
+    sharded tensors merged (RankFailedError unless their shards tile them)."""
     files = [entry for share in shares for entry in share.files]
     components = {
         name: _merge_shards(plan.step, name, entry, shares)
@@ -375,7 +361,7 @@ async def _publish(
         components.update(share.components)
         for key, name in share.per_rank.items():
             per_rank.setdefault(name, []).append(key)
-    manifest = Manifest(
+    return Manifest(
         schema_version=schema_for(components),
         step=plan.step,
         created_at=plan.created_at,
@@ -384,10 +370,8 @@ async def _publish(
         files=sorted(files, key=lambda f: f.path),
         metrics=plan.metrics,
         metadata=plan.metadata,
-        world_size=group.world_size,
+        world_size=world_size,
         per_rank=per_rank,
         specs=plan.specs,
         writer="" if identity is None else identity.id,
     )
-    await publish_manifest(store, manifest, limiter)
-    return manifest
