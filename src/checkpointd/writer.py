@@ -99,21 +99,24 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         ``checkpointd.spec(...)``) and ``associations`` are stored for ``checkpointd.build``.
         """
         started = time.perf_counter()
-        plain = self._before_save(step, metrics, metadata)
-        recorded = self._record_specs(step, state, specs, associations)
-        service = self._service
-        buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
-        try:
-            snapshot, staging = self._snapshot(step, state, buffer, plain, recorded)
-        except BaseException:
-            self._loop.call(service.release_buffer, buffer)
-            raise
-        handle = self._handle(step, started, staging=staging)
-        try:
-            self._loop.call(service.submit, snapshot, handle)
-        except Exception:
-            self._pending.remove(handle)
-            raise
+        with self._attempt(step) as attempt:
+            plain = self._before_save(step, metrics, metadata)
+            recorded = self._record_specs(step, state, specs, associations)
+            service = self._service
+            buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
+            try:
+                snapshot, staging = self._snapshot(
+                    step, state, buffer, plain, recorded, attempt=attempt
+                )
+            except BaseException:
+                self._loop.call(service.release_buffer, buffer)
+                raise
+            handle = self._handle(step, started, staging=staging)
+            try:
+                self._loop.call(service.submit, snapshot, handle)
+            except Exception:
+                self._pending.remove(handle)
+                raise
         handle.blocked_seconds = time.perf_counter() - started
         return handle
 
@@ -295,18 +298,21 @@ class AsyncCheckpointWriter(WriterBase):
         started = time.perf_counter()
         if self._group is None and not self._closed and not self._inherited:
             raise WriterClosedError("use the writer inside 'async with'")
-        plain = self._before_save(step, metrics, metadata)
-        recorded = self._record_specs(step, state, specs, associations)
-        if self._stager is not None:  # the previous save's copy: waited for off the loop
-            await anyio.to_thread.run_sync(self._stager.wait)
-        buffer = await self._service.acquire_buffer()
-        try:
-            snapshot, staging = self._snapshot(step, state, buffer, plain, recorded)
-        except BaseException:
-            self._service.release_buffer(buffer)
-            raise
-        handle = self._handle(step, started, anyio.Event(), staging)
-        await self._service.submit(snapshot, handle)
+        with self._attempt(step) as attempt:
+            plain = self._before_save(step, metrics, metadata)
+            recorded = self._record_specs(step, state, specs, associations)
+            if self._stager is not None:  # the previous save's copy: waited for off the loop
+                await anyio.to_thread.run_sync(self._stager.wait)
+            buffer = await self._service.acquire_buffer()
+            try:
+                snapshot, staging = self._snapshot(
+                    step, state, buffer, plain, recorded, attempt=attempt
+                )
+            except BaseException:
+                self._service.release_buffer(buffer)
+                raise
+            handle = self._handle(step, started, anyio.Event(), staging)
+            await self._service.submit(snapshot, handle)
         handle.blocked_seconds = time.perf_counter() - started
         return handle
 

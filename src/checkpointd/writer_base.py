@@ -8,10 +8,11 @@ so a bad call raises at once instead of failing in the background.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -258,7 +259,9 @@ class WriterBase:
         state: Mapping[str, Any],
         buffer: StagingBuffer,
         plain: tuple[dict[str, Any], dict[str, Any]],
-        specs: dict[str, SpecEntry] | None = None,
+        specs: dict[str, SpecEntry] | None,
+        *,
+        attempt: int,
     ) -> tuple[Snapshot, Staging | None]:
         """Capture ``state`` into ``buffer``. Overlapped staging: waits for the previous
         save's staging first, and returns this save's Staging (copies may still run)."""
@@ -288,7 +291,6 @@ class WriterBase:
                     f"per-rank components {[per_rank[n] for n in held]} hold DTensors: save "
                     "DTensors in ordinary components (each rank's shards are stored as its own)"
                 )
-            attempt = 0 if group is None else group.attempt(step)
         except BaseException:
             if staging is not None and staging.started:
                 staging.wait()  # the caller releases the buffer: no copy may still write
@@ -305,6 +307,24 @@ class WriterBase:
             rank=0 if group is None else group.rank,
         )
         return snapshot, staging
+
+    @contextlib.contextmanager
+    def _attempt(self, step: int) -> Iterator[int]:
+        """This save's attempt number at ``step`` (0 alone), taken before anything can
+        refuse the save, so the ranks number their attempts alike; a save refused inside
+        abandons its attempt, and the other ranks fail at once. Caller thread."""
+        group = self._ranks
+        if group is None or not isinstance(step, int):
+            yield 0
+            return
+        number = group.attempt(step)
+        try:
+            yield number
+        except BaseException as exc:
+            from checkpointd.rankattempt import abandon
+
+            abandon(group, step, number, f"its save() was refused ({type(exc).__name__}: {exc})")
+            raise
 
     def _wait_staged(self, timeout: float | None) -> None:
         """Block until the latest save's staging has ended (caller's thread)."""

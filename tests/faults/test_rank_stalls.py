@@ -157,3 +157,20 @@ def test_a_stalled_rank_that_resumes_fails_typed_and_the_job_goes_on(tmp_path: P
         [p.name for p in (root / f"{2:012d}").iterdir()] if (root / f"{2:012d}").exists() else []
     )
     assert leftovers == []  # nothing of the abandoned step 2 stays behind
+
+
+def test_a_save_refused_on_one_rank_fails_the_others_at_once_and_a_retry_saves(
+    tmp_path: Path,
+) -> None:
+    root, out = tmp_path / "root", tmp_path / "out"
+    with _ranks("refused_on_one_rank", root, out) as procs:
+        refused = _report(out, 1, "middle")
+        waited = _report(out, 0, "middle")
+        _exited(procs)
+    assert refused["error"] == "UnsupportedValueError"
+    assert waited["error"] == "RankFailedError"
+    assert "its save() was refused" in waited["message"]
+    assert waited["seconds"] < 20  # JOIN_SECONDS is 60 in this job
+    retried = [_report(out, r, "last") for r in range(WORLD)]
+    assert all(r["ok"] for r in retried), retried
+    assert _steps(root) == [2]
