@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -34,6 +34,7 @@ from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError
 from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.manifest import (
     CheckpointInfo,
+    ComponentEntry,
     FileEntry,
     Manifest,
     encode_manifest,
@@ -43,7 +44,16 @@ from checkpointd.plan import SavePlan, WriteFile
 from checkpointd.retention import WriterIdentity
 from checkpointd.storage import FileSink, Store
 
-__all__ = ["commit_plan", "in_thread", "open_step", "publish_manifest", "write_files"]
+__all__ = [
+    "clean_up",
+    "commit_plan",
+    "finish_commit",
+    "in_thread",
+    "manifest_of",
+    "open_step",
+    "publish_manifest",
+    "write_files",
+]
 
 T = TypeVar("T")
 
@@ -158,36 +168,65 @@ async def commit_plan(
     (the writer's) is recorded in the manifest and told of the commit.
     """
     step = plan.step
-    folder = step_dirname(step)
     await open_step(store, step, limiter)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
     try:
         await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
-        manifest = Manifest(
-            schema_version=schema_for(plan.components, plan.blobs),
-            step=step,
-            created_at=plan.created_at,
-            library_version=__version__,
-            components=plan.components,
-            files=sorted(committed, key=lambda f: f.path),
-            metrics=plan.metrics,
-            metadata=plan.metadata,
-            specs=plan.specs,
-            writer="" if identity is None else identity.id,
-            blobs=plan.blobs,
-        )
+        manifest = manifest_of(plan, committed, identity=identity)
         await publish_manifest(store, manifest, limiter)
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await in_thread(limiter, _clean_up, store, step, streamed, committed)
+            await in_thread(limiter, clean_up, store, step, streamed, committed)
         raise
+    return await finish_commit(store, manifest, limiter, identity=identity)
+
+
+def manifest_of(
+    plan: SavePlan,
+    files: Sequence[FileEntry],
+    *,
+    identity: WriterIdentity | None,
+    components: Mapping[str, ComponentEntry] | None = None,
+    world_size: int = 1,
+    per_rank: Mapping[str, list[str]] | None = None,
+) -> Manifest:
+    """The manifest that commits ``plan`` once ``files`` are durable: the one way a save
+    makes its manifest. ``components`` (default the plan's), ``world_size`` and
+    ``per_rank`` are a many-rank save's merged ones. Any thread."""
+    components = plan.components if components is None else components
+    return Manifest(
+        schema_version=schema_for(components, plan.blobs),
+        step=plan.step,
+        created_at=plan.created_at,
+        library_version=__version__,
+        components=dict(components),
+        files=sorted(files, key=lambda f: f.path),
+        metrics=plan.metrics,
+        metadata=plan.metadata,
+        world_size=world_size,
+        per_rank=dict(per_rank or {}),
+        specs=plan.specs,
+        writer="" if identity is None else identity.id,
+        blobs=plan.blobs,
+    )
+
+
+async def finish_commit(
+    store: Store,
+    manifest: Manifest,
+    limiter: anyio.CapacityLimiter,
+    *,
+    identity: WriterIdentity | None,
+) -> CheckpointInfo:
+    """After this writer published ``manifest``: tell ``identity``, sweep what earlier
+    (dead) attempts left in the step's folder, and return the CheckpointInfo. Event loop."""
     if identity is not None:
         identity.note_commit(time.monotonic())
     listed = [f.path for f in manifest.files]
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-        await in_thread(limiter, _sweep, store, folder, listed)
-    return CheckpointInfo.from_manifest(manifest, step_path(store, step))
+        await in_thread(limiter, _sweep, store, step_dirname(manifest.step), listed)
+    return CheckpointInfo.from_manifest(manifest, step_path(store, manifest.step))
 
 
 def _sweep(store: Store, folder: str, listed: list[str]) -> None:
@@ -203,7 +242,7 @@ def _sweep(store: Store, folder: str, listed: list[str]) -> None:
     remove_leftovers(store, old)
 
 
-def _clean_up(
+def clean_up(
     store: Store,
     step: int,
     streamed: list[tuple[FileSink, FileEntry]],

@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Mapping
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from checkpointd._version import __version__
 from checkpointd.catalog import read_manifest, step_path
 from checkpointd.checksum import crc32c
 from checkpointd.commit import (
-    _clean_up,
-    _sweep,
+    clean_up,
+    finish_commit,
     in_thread,
+    manifest_of,
     open_step,
     publish_manifest,
     write_files,
@@ -54,7 +53,6 @@ from checkpointd.manifest import (
     ShardedTensor,
     decode_manifest,
     encode_manifest,
-    schema_for,
     shard_problem,
 )
 from checkpointd.plan import PlannedFile, SavePlan, WriteFile
@@ -177,7 +175,7 @@ async def commit_ranked(
         leaf = first_leaf(exc)
         with anyio.CancelScope(shield=True):
             if await _may_remove(attempt, leaf):
-                await in_thread(limiter, _clean_up, store, plan.step, streamed, committed)
+                await in_thread(limiter, clean_up, store, plan.step, streamed, committed)
             else:
                 for sink, _ in streamed:
                     with contextlib.suppress(Exception):
@@ -186,12 +184,7 @@ async def commit_ranked(
             raise leaf from None
         raise
     if group.publishes:
-        if identity is not None:
-            identity.note_commit(time.monotonic())
-        listed = [f.path for f in manifest.files]
-        with anyio.CancelScope(shield=True):
-            with contextlib.suppress(Exception):
-                await in_thread(limiter, _sweep, store, step_dirname(plan.step), listed)
+        return await finish_commit(store, manifest, limiter, identity=identity)
     return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
 
 
@@ -361,17 +354,11 @@ def _merged_manifest(
         components.update(share.components)
         for key, name in share.per_rank.items():
             per_rank.setdefault(name, []).append(key)
-    return Manifest(
-        schema_version=schema_for(components),
-        step=plan.step,
-        created_at=plan.created_at,
-        library_version=__version__,
+    return manifest_of(
+        plan,
+        files,
+        identity=identity,
         components=components,
-        files=sorted(files, key=lambda f: f.path),
-        metrics=plan.metrics,
-        metadata=plan.metadata,
         world_size=world_size,
         per_rank=per_rank,
-        specs=plan.specs,
-        writer="" if identity is None else identity.id,
     )
