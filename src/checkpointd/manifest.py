@@ -6,8 +6,9 @@ in it is caught before a field is trusted. docs/format.md is the spec.
 
 Schema evolution rules: new optional fields with defaults may be added without
 a version bump (older readers ignore them); anything an older reader would
-misread bumps ``SCHEMA_VERSION``; readers refuse newer versions and migrate
-older ones through ``_MIGRATIONS``.
+misread bumps ``SCHEMA_VERSION``; readers refuse newer versions. Every older
+version so far decodes as it is (each added only fields with defaults); a
+version that changes a field's meaning needs a migration here, with a test.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class Manifest(msgspec.Struct, frozen=True):
-    """Version 1 of the manifest schema."""
+    """The manifest, schema versions 1 and 2 (2 adds sharded tensors, per-rank
+    components' layout and shared blobs; see ``schema_for``)."""
 
     schema_version: int
     step: int
@@ -189,12 +191,6 @@ class Manifest(msgspec.Struct, frozen=True):
 class _Version(msgspec.Struct):
     schema_version: int
     format: str = FORMAT_NAME
-
-
-# Each entry turns the raw dict of schema version N into version N + 1.
-_MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-# Versions the current Struct decodes as they are (2 only added optional fields).
-_DECODED_AS_IS = frozenset({1, 2})
 
 
 def schema_for(components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = ()) -> int:
@@ -274,10 +270,8 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    if version.schema_version in _DECODED_AS_IS:
-        manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
-    else:
-        manifest = _decode(where, lambda: _migrate(body, version.schema_version))
+    # Versions 1 and 2 decode as they are (2 only added fields with defaults).
+    manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     if (field := _deep_field(manifest)) is not None:
         raise CorruptCheckpointError(f"{where}: {field} is nested deeper than {MAX_JSON_DEPTH}")
     _check_consistency(manifest, where)
@@ -298,14 +292,6 @@ def _decode(where: str, decode: Callable[[], _T]) -> _T:
         raise CorruptCheckpointError(f"{where}: invalid manifest ({exc})") from exc
     except Exception as exc:
         raise CorruptCheckpointError(f"{where}: not a checkpointd manifest ({exc})") from exc
-
-
-def _migrate(body: bytes, schema_version: int) -> Manifest:
-    """Decode an older schema's manifest and migrate it to the current one."""
-    raw: dict[str, Any] = msgspec.json.decode(body, type=dict[str, Any])
-    for v in range(schema_version, SCHEMA_VERSION):
-        raw = _MIGRATIONS[v](raw)
-    return msgspec.convert(raw, Manifest)
 
 
 def _check_consistency(manifest: Manifest, where: str) -> None:

@@ -3,8 +3,9 @@
 The plan knows components, trees and the safetensors layout; the commit
 protocol (commit.py) knows none of that: it streams, commits and publishes
 whatever files a plan lists, and records the plan's component entries in the
-manifest. Made on the writer's event loop (cheap: headers and the msgpack
-trees are encoded here, tensor bytes stay in the staging buffer).
+manifest. Made in a worker thread of the writer's event loop (headers, the
+msgpack trees and shard block CRC32Cs are computed here; tensor bytes stay in
+the staging buffer).
 
 Seam for later issues: ``PlannedFile`` is the union of what a manifest entry
 can come from. Today it is only ``WriteFile`` (bytes this process writes now).

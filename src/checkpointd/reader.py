@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from checkpointd.shards import Box
 
 __all__ = ["StepReader", "verify_step"]
-"""Bytes per read when a file is streamed through CRC32C (verify)."""
 
 Progress = Callable[[int], None]
 """Called with the number of bytes just read (from the reading thread)."""

@@ -76,7 +76,7 @@ class WriterBase:
 
     ``process_group``: with torch.distributed initialized, None (default) means every
     rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see DESIGN.md "Many ranks");
+    writer and calls ``save`` with the same step; see the README, "Many ranks");
     ``checkpointd.LOCAL`` makes this process save alone.
 
     ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes

@@ -42,8 +42,6 @@ __all__ = [
     "translate_os_error",
 ]
 
-"""Part of the name of a local file being written (``{final}.tmp-<random>``)."""
-
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 _WARN_LOCK = threading.Lock()
