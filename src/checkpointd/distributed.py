@@ -245,14 +245,16 @@ def _timedelta(seconds: float) -> Any:
 def per_rank_targets(
     manifest: Any, targets: Mapping[str, Any], strict: bool
 ) -> tuple[dict[str, Any], set[str], tuple[str, ...]]:
-    """``targets`` as restore reads them: a per-rank component's target mapped to this
-    rank's component; the components of other ranks (to ignore); the per-rank targets
-    skipped because the world size changed (``strict=False``; else RestoreMismatchError).
+    """``targets`` as restore reads them: ``PerRank`` targets unwrapped (the dict given to
+    ``save`` restores as it is), a per-rank component's target mapped to this rank's
+    component; the components of other ranks (to ignore); the per-rank targets skipped
+    because the world size changed (``strict=False``; else RestoreMismatchError).
     This process is rank 0 of 1 unless torch.distributed is initialized. Training thread."""
     from checkpointd.errors import RestoreMismatchError
 
+    targets = {n: t.obj if isinstance(t, PerRank) else t for n, t in targets.items()}
     if not manifest.per_rank:
-        return dict(targets), set(), ()
+        return targets, set(), ()
     rank, world = _rank_and_world()
     mapped: dict[str, Any] = {}
     others: set[str] = set()

@@ -21,6 +21,7 @@ __all__ = [
     "InvalidArgumentError",
     "RankFailedError",
     "RestoreMismatchError",
+    "ResumeNotExactWarning",
     "RetentionWarning",
     "SpecChangedWarning",
     "StagingError",
@@ -128,6 +129,12 @@ class SpecChangedWarning(UserWarning):
 
 class CheckpointWarning(UserWarning):
     """A step folder with a manifest was skipped because the manifest could not be read."""
+
+
+class ResumeNotExactWarning(CheckpointWarning):
+    """A resume cannot repeat the interrupted run bit for bit (the message says what to
+    pass): ``TrainingProgress.epoch_batches`` resuming mid-epoch without the loader's
+    generator."""
 
 
 class RetentionWarning(UserWarning):

@@ -22,8 +22,10 @@ from checkpointd.optimizers import is_by_name
 from checkpointd.stateful import (
     BIT_GENERATOR_KEY,
     RANDOM_STATE_KEY,
+    SAMPLER_CHECKED,
     component_state,
     is_random_generator,
+    is_sampler,
     is_stateful,
     unwrap,
 )
@@ -121,16 +123,31 @@ def _generator_problems(target: Any, tree: Any) -> list[str]:
     return layout_problems(live, tree)
 
 
+def _sampler_problems(target: Any, tree: Any) -> list[str]:
+    """Layout problems of a DistributedSampler's stored state, and settings that differ."""
+    live = component_state(target, "check")
+    if problems := layout_problems(live, tree):
+        return problems
+    return [
+        f"sampler saved with {key}={tree[key]!r}, this one has {live[key]!r}"
+        for key in SAMPLER_CHECKED
+        if tree[key] != live[key]
+    ]
+
+
 def check_state(target: Any, tree: Any, name: str) -> None:
     """Raise RestoreMismatchError if ``load_component(target, tree)`` would not fit.
 
-    Covers random generators, tensors, and objects defining ``check_state_dict``;
-    changes nothing. Modules and optimizers are checked by ``restore`` itself.
+    Covers random generators, DistributedSamplers, tensors, and objects defining
+    ``check_state_dict``; changes nothing. Modules and optimizers are checked by
+    ``restore`` itself.
     """
     target = unwrap(target)
     problems: list[str] = []
     if is_random_generator(target):
         problems = _generator_problems(target, tree)
+    elif is_sampler(target):
+        problems = _sampler_problems(target, tree)
     elif isinstance(target, torch.Tensor):
         problems = layout_problems(target, tree)
     elif callable(check := getattr(target, "check_state_dict", None)):

@@ -16,12 +16,22 @@ runs at about 6x the speed of the copy, so ``save()`` returns sooner, and if the
 bytes still match, nothing of it is copied, hashed again or written. Any other
 tensor is copied as in a full save and hashed in the background, so a state that
 changes on every save does not block longer.
+
+With ``max_pending`` above 1 a capture may rely on the unchanged set of a save
+older than the one being written (the tensor reset to an earlier value). Each
+such reliance is counted from ``prehash`` until the relying save's own pin names
+the blob; after every commit, before its retention runs, a bridge pin names the
+relied-on blobs the new manifest does not list, so no deletion of this writer
+(or gc) removes them in between.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Mapping
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -29,21 +39,23 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from checkpointd import catalog, tunables
+from checkpointd import tunables
 from checkpointd.capture import CapturedComponent
 from checkpointd.commit import commit_plan, in_thread, open_step
 from checkpointd.digest import blob_name
-from checkpointd.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.format import encode_tree
 from checkpointd.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
-from checkpointd.layout import BLOBS_DIR, HEADER_ALIGN, blob_path, tensor_file_name, tree_file_name
+from checkpointd.layout import BLOBS_DIR, HEADER_ALIGN, tensor_file_name, tree_file_name
 from checkpointd.manifest import BlobEntry, BlobRef, CheckpointInfo, ComponentEntry
 from checkpointd.plan import PlannedFile, SavePlan, Snapshot, WriteFile, plan_shards
 from checkpointd.retention import WriterIdentity
-from checkpointd.shared import remove_pin, write_pin
+from checkpointd.shared import blob_stored, newest_blobs, remove_pin, write_blob, write_pin
 from checkpointd.storage import Store
 
-__all__ = ["IncrementalSaver", "SaveStats"]
+__all__ = ["CaptureHold", "IncrementalSaver", "SaveStats"]
+
+_log = logging.getLogger("checkpointd")
 
 
 @dataclass(slots=True)
@@ -71,35 +83,25 @@ class _Blobs:
     claimed: set[str] = field(default_factory=set)
 
 
-def _newest_blobs(store: Store) -> dict[str, BlobEntry]:
-    """The blobs of the newest committed checkpoint (none if there is none). Worker thread."""
-    try:
-        _, manifest = catalog.newest(store, on_damaged=lambda step, exc: None)
-    except CheckpointNotFoundError:
-        return {}
-    return {blob.name: blob for blob in manifest.blobs}
+class CaptureHold:
+    """The blobs one capture relied on (``prehash`` matches); ``release`` them if the
+    capture fails. Caller's thread."""
 
+    def __init__(self, saver: IncrementalSaver) -> None:
+        self._saver = saver
+        self.blobs: list[str] = []
 
-def _write_blob(store: Store, name: str, view: memoryview) -> BlobEntry:
-    """Write blob ``name`` durably (atomic replace: same name, same bytes). No CRC32C:
-    the name is the digest readers check. Worker thread."""
-    sink = store.open_file(blob_path(name), size=len(view))
-    try:
-        for start in range(0, len(view), tunables.CHUNK_BYTES):
-            sink.write(view[start : start + tunables.CHUNK_BYTES])
-        sink.commit()
-    except BaseException:
-        sink.discard()
-        raise
-    return BlobEntry(name, len(view), written=True)
+    def prehash(self, component: str, name: str, tensor: torch.Tensor) -> str | None:
+        """``IncrementalSaver.prehash``, remembering a match."""
+        blob = self._saver.prehash(component, name, tensor)
+        if blob is not None:
+            self.blobs.append(blob)
+        return blob
 
-
-def _stored(store: Store, entry: BlobEntry) -> bool:
-    """True if blob ``entry`` is stored with its size. Worker thread."""
-    try:
-        return store.size(blob_path(entry.name)) == entry.size
-    except StorageError:
-        return False
+    def release(self) -> None:
+        """The capture failed: it relies on nothing."""
+        self._saver.release(self.blobs)
+        self.blobs = []
 
 
 class IncrementalSaver:
@@ -116,12 +118,23 @@ class IncrementalSaver:
         self.stats = SaveStats()
         self.unchanged: Mapping[tuple[str, str], BlobRef] = {}
         """(component, tensor) -> blob, for the tensors the last save referenced (they had
-        not changed): ``prehash`` candidates. Replaced whole by the loop, read by the caller."""
+        not changed): ``prehash`` candidates. Replaced whole by the loop under ``_lock``,
+        read by the caller."""
+        self._lock = threading.Lock()
+        self._relied: Counter[str] = Counter()
+        """Blobs ``prehash`` matched for captures whose save has not pinned them yet."""
+        self._bridge: str | None = None
+        """The pin keeping relied-on blobs between two saves' pins (see the module)."""
+
+    def hold(self) -> CaptureHold:
+        """A capture's view of ``prehash`` that can be released if the capture fails."""
+        return CaptureHold(self)
 
     def prehash(self, component: str, name: str, tensor: torch.Tensor) -> str | None:
         """During capture, on the caller's thread: the blob of ``tensor`` if it is one the
         last save found unchanged and its bytes still hash to that blob (then capture does
-        not copy it); None otherwise (capture copies it). Host tensors only."""
+        not copy it, and the blob counts as relied on until its save pins it); None
+        otherwise (capture copies it). Host tensors only."""
         ref = self.unchanged.get((component, name))
         if (
             ref is None
@@ -134,7 +147,25 @@ class IncrementalSaver:
         ):
             return None
         data = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
-        return ref.blob if blob_name(data) == ref.blob else None
+        if blob_name(data) != ref.blob:
+            return None
+        with self._lock:
+            if self.unchanged.get((component, name)) != ref:
+                return None  # a commit moved on meanwhile: its bridge may not name ref's blob
+            self._relied[ref.blob] += 1
+        return ref.blob
+
+    def release(self, blobs: Iterable[str]) -> None:
+        """Stop counting ``blobs`` as relied on (their save pinned them, or failed). Any thread."""
+        with self._lock:
+            self._relied.subtract(blobs)
+            self._relied = +self._relied
+
+    def close(self) -> None:
+        """Drop the bridge pin, if any (the writer has stopped). Blocking."""
+        if self._bridge is not None:
+            remove_pin(self.store, self._bridge)
+            self._bridge = None
 
     async def commit(
         self,
@@ -146,11 +177,19 @@ class IncrementalSaver:
         """Write ``snapshot`` referencing unchanged tensors; return its CheckpointInfo once
         durable. Raises as ``commit.commit_plan``. Event loop."""
         store = self.store
-        if self.previous is None:
-            self.previous = await in_thread(limiter, _newest_blobs, store)
-        token = secrets.token_hex(4)
-        await open_step(store, snapshot.step, limiter)
-        pin = await in_thread(limiter, write_pin, store, snapshot.step, token, self.previous)
+        relied = [blob for c in snapshot.components for blob in c.blobs.values()]
+        try:
+            if self.previous is None:
+                self.previous = await in_thread(limiter, newest_blobs, store)
+            token = secrets.token_hex(4)
+            await open_step(store, snapshot.step, limiter)
+            pinned = set(self.previous) | set(relied)
+            pin = await in_thread(limiter, write_pin, store, snapshot.step, token, pinned)
+        except BaseException:
+            self._reset()
+            raise
+        finally:
+            self.release(relied)  # this save's pin (if any) names them now
         try:
             blobs = _Blobs(dict(self.previous))
             await in_thread(limiter, store.make_dir, BLOBS_DIR)
@@ -168,38 +207,64 @@ class IncrementalSaver:
             plan = await in_thread(limiter, _plan, snapshot, token, blobs)
             info = await commit_plan(store, plan, limiter, identity=identity)
         except BaseException:
-            self.unchanged = {}  # the next save copies everything: it trusts nothing of this one
-            raise
-        finally:
+            self._reset()  # the next save copies everything: it trusts nothing of this one
             with anyio.CancelScope(shield=True):
                 await in_thread(limiter, remove_pin, store, pin)
+            raise
         self.previous = {
             name: msgspec.structs.replace(entry, written=False)
             for name, entry in blobs.used.items()
         }
-        self.unchanged = {
-            (component, tensor): ref
-            for component, refs in blobs.refs.items()
-            for tensor, ref in refs.items()
-            if not blobs.used[ref.blob].written
-        }
+        with self._lock:
+            self.unchanged = {
+                (component, tensor): ref
+                for component, refs in blobs.refs.items()
+                for tensor, ref in refs.items()
+                if not blobs.used[ref.blob].written
+            }
+            bridged = {name for name in self._relied if name not in blobs.used}
+        with anyio.CancelScope(shield=True):
+            try:
+                await in_thread(limiter, self._rebridge, snapshot.step, bridged)
+            finally:
+                await in_thread(limiter, remove_pin, store, pin)
         self.stats = stats
         return info
+
+    def _reset(self) -> None:
+        with self._lock:
+            self.unchanged = {}
+
+    def _rebridge(self, step: int, blobs: set[str]) -> None:
+        """Replace the bridge pin by one naming ``blobs`` (none if empty): the blobs captures
+        still rely on that the manifest just published does not list. Before retention.
+        Worker thread."""
+        old, self._bridge = self._bridge, None
+        if blobs:
+            try:
+                self._bridge = write_pin(self.store, step, secrets.token_hex(4), blobs)
+            except StorageError as exc:  # the save is committed: the dependants check again
+                _log.warning("could not pin blobs queued saves rely on: %s", exc)
+                self._bridge, old = old, None
+        if old is not None:
+            remove_pin(self.store, old)
 
     async def _prehashed(
         self, snapshot: Snapshot, blobs: _Blobs, limiter: anyio.CapacityLimiter
     ) -> int:
         """Reference the tensors capture found unchanged (``component.blobs``): their bytes
-        were never copied, so their blobs must be stored already (listed by the previous
-        checkpoint, and still on storage); raises CheckpointError if one is not. Event loop."""
+        were never copied, so their blobs must be stored already (listed by a committed
+        checkpoint and pinned since, and still on storage); raises CheckpointError if one
+        is not. Event loop."""
         count = 0
         for component in snapshot.components:
             for entry in component.entries:
                 name = component.blobs.get(entry.name)
                 if name is None:
                     continue
-                known = blobs.previous.get(name)
-                if known is None or not await in_thread(limiter, _stored, self.store, known):
+                # listed by the previous checkpoint, or by an older one and kept by a pin
+                known = blobs.previous.get(name) or BlobEntry(name, _size(entry))
+                if not await in_thread(limiter, blob_stored, self.store, known):
                     raise CheckpointError(
                         f"the save of step {snapshot.step} failed: blob {name} of unchanged "
                         f"tensor {component.name}/{entry.name} is no longer stored (deleted by "
@@ -233,7 +298,7 @@ class IncrementalSaver:
         if known is not None and known.size == len(view):
             blobs.used[name] = msgspec.structs.replace(known, written=False)
             return
-        blobs.used[name] = await in_thread(limiter, _write_blob, self.store, name, view)
+        blobs.used[name] = await in_thread(limiter, write_blob, self.store, name, view)
 
     async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
         """Make sure every blob the manifest will list is stored, referenced ones and ones
@@ -242,7 +307,7 @@ class IncrementalSaver:
         stats = SaveStats()
 
         async def check(entry: BlobEntry) -> None:
-            if await in_thread(limiter, _stored, self.store, entry):
+            if await in_thread(limiter, blob_stored, self.store, entry):
                 return
             view = blobs.views.get(entry.name)
             if view is None:  # only referenced by tensors capture did not copy
@@ -251,7 +316,7 @@ class IncrementalSaver:
                     "copy of its bytes; nothing was published, the next save writes it"
                 )
             blobs.used[entry.name] = await in_thread(
-                limiter, _write_blob, self.store, entry.name, view
+                limiter, write_blob, self.store, entry.name, view
             )
             stats.repaired += 1
 

@@ -12,12 +12,13 @@ consumed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 
-from checkpointd.errors import RestoreMismatchError
+from checkpointd.errors import RestoreMismatchError, ResumeNotExactWarning
 
 __all__ = ["TrainingProgress"]
 
@@ -73,8 +74,13 @@ class TrainingProgress:
         state saved for that epoch's start, so after a restore the loader draws
         the same order; batches consumed before the checkpoint are drawn again
         and dropped (the sampler cannot skip without loading them). The
-        generator need not be a separate component.
+        generator need not be a separate component. Resuming mid-epoch a
+        ``DataLoader`` without its generator cannot rewind (it draws from its own or
+        torch's global generator as the epoch starts): ResumeNotExactWarning says
+        what to pass.
         """
+        if generator is None and self.batch_in_epoch:
+            _warn_not_rewound(loader, self.epoch, self.batch_in_epoch)
         if generator is not None:
             if self._epoch_start is not None:
                 generator.set_state(self._epoch_start)
@@ -142,6 +148,27 @@ class TrainingProgress:
         self.samples_seen = int(state_dict["samples_seen"])
         self.history = history
         self._epoch_start = None if start is None else torch.as_tensor(start).clone()
+
+
+def _warn_not_rewound(loader: Iterable[Any], epoch: int, batch: int) -> None:
+    """Warn that a DataLoader resumed mid-epoch without its generator is not bit-exact."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return  # what another iterable draws is not known here
+    where = f"resuming epoch {epoch} after batch {batch} without the loader's generator: "
+    if isinstance(loader.generator, torch.Generator):
+        why = (
+            "the loader draws from its own generator when the epoch starts and it is not "
+            "rewound; pass it: epoch_batches(loader, loader.generator)"
+        )
+    else:
+        why = (
+            "the loader draws from torch's global generator when the epoch starts, so the "
+            "resumed run draws once more than the interrupted one; give the loader its own "
+            "generator, DataLoader(..., generator=g), and pass it: epoch_batches(loader, g)"
+        )
+    warnings.warn(
+        where + why + " (this resume is not bit-exact)", ResumeNotExactWarning, stacklevel=3
+    )
 
 
 _END: Any = object()

@@ -215,8 +215,9 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     """What ``restore`` returns: the checkpoint's ``CheckpointInfo`` plus what it did.
 
     ``restored``: components loaded into targets. With ``strict=False``,
-    ``skipped_targets`` are targets the checkpoint has no component for (left
-    unchanged) and ``skipped_components`` are components no target took.
+    ``skipped_targets`` are targets the checkpoint has no component for, or whose
+    per-rank components another world size saved (left unchanged), and
+    ``skipped_components`` are components no target took.
     ``skipped_steps``: with ``step=None``, newer damaged checkpoints passed over,
     newest first, each as (step, why).
     """
@@ -227,7 +228,40 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     skipped_steps: tuple[SkippedStep, ...] = ()
 
 
-_Prepared = tuple[int, Checkpoint, Mapping[str, Any], list[str], tuple[str, ...], tuple[str, ...]]
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """One step matched to the targets and read: what ``restore`` loads and reports."""
+
+    step: int
+    checkpoint: Checkpoint
+    targets: Mapping[str, Any]
+    names: list[str]
+    missing: tuple[str, ...]
+    """Targets the checkpoint has no component for."""
+    other_world: tuple[str, ...]
+    """Per-rank targets whose components another world size saved (``strict=False``)."""
+    unexpected: tuple[str, ...]
+    saved_world: int
+
+    def skipped_message(self) -> str:
+        """What ``strict=False`` left out, in words ("" if nothing)."""
+        parts = []
+        if self.missing:
+            parts.append(f"targets without a component {list(self.missing)}")
+        if self.other_world:
+            parts.append(
+                f"per-rank targets {list(self.other_world)} (their components were saved by "
+                f"{self.saved_world} ranks, this job has {_world_size()})"
+            )
+        if self.unexpected:
+            parts.append(f"components without a target {list(self.unexpected)}")
+        return "; ".join(parts)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _prepare(
@@ -236,7 +270,7 @@ def _prepare(
     """Match one step's components to the targets and read them; touches no target."""
     targets, others, skipped = per_rank_targets(manifest, targets, strict)
     names = [n for n in targets if n in manifest.components]
-    missing = (*(n for n in targets if n not in manifest.components), *skipped)
+    missing = tuple(n for n in targets if n not in manifest.components)
     unexpected = tuple(n for n in manifest.components if n not in targets and n not in others)
     if strict and (missing or unexpected):
         raise RestoreMismatchError(
@@ -257,7 +291,10 @@ def _prepare(
         verify=True,
         templates=templates,
     )
-    return found_step, checkpoint, targets, names, missing, unexpected
+    saved_world = max((len(keys) for keys in manifest.per_rank.values()), default=1)
+    return _Prepared(
+        found_step, checkpoint, targets, names, missing, skipped, unexpected, saved_world
+    )
 
 
 def restore(
@@ -291,7 +328,7 @@ def restore(
         prepared, skipped_steps = _newest_good(store, step, attempt)
     finally:
         store.close()
-    found_step, checkpoint, targets, names, missing, unexpected = prepared
+    checkpoint, targets, names = prepared.checkpoint, prepared.targets, prepared.names
     for name in names:
         check_fits(name, targets[name], checkpoint.state[name], targets)
     backups = {name: _backup(targets[name]) for name in names}
@@ -310,19 +347,13 @@ def restore(
     except BaseException:
         _roll_back(targets, backups, touched)
         raise
-    if missing or unexpected:
-        _log.warning(
-            "restore(strict=False) from step %d skipped targets without a component %s and "
-            "components without a target %s",
-            found_step,
-            list(missing),
-            list(unexpected),
-        )
+    if skipped := prepared.skipped_message():
+        _log.warning("restore(strict=False) from step %d skipped %s", prepared.step, skipped)
     info = checkpoint.info
     return RestoreInfo(
         **{f: getattr(info, f) for f in info.__struct_fields__},
         restored=tuple(names),
-        skipped_targets=missing,
-        skipped_components=unexpected,
+        skipped_targets=(*prepared.missing, *prepared.other_world),
+        skipped_components=prepared.unexpected,
         skipped_steps=skipped_steps,
     )

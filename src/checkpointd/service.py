@@ -225,6 +225,8 @@ class WriteService:
         """Release the store's resources (and stop the heartbeat) once the service has stopped."""
         if self.group is not None:
             self.group.close()
+        if self.incremental is not None:
+            self.incremental.close()
         self.store.close()
 
     def take_unseen_error(self) -> BaseException | None:

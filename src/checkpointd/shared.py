@@ -20,22 +20,58 @@ from dataclasses import dataclass
 
 import msgspec
 
-from checkpointd import catalog
-from checkpointd.errors import CheckpointError, StorageError
+from checkpointd import catalog, tunables
+from checkpointd.checksum import BytesLike
+from checkpointd.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from checkpointd.layout import BLOBS_DIR, PINS_DIR, blob_path, is_blob_name, step_dirname
-from checkpointd.manifest import Manifest
+from checkpointd.manifest import BlobEntry, Manifest
 from checkpointd.storage import Store
 from checkpointd.tunables import MAX_MANIFEST_BYTES
 
 __all__ = [
     "Orphan",
     "Pin",
+    "blob_stored",
     "drop_blobs",
     "find_orphans",
+    "newest_blobs",
     "read_pins",
     "remove_pin",
+    "write_blob",
     "write_pin",
 ]
+
+
+def newest_blobs(store: Store) -> dict[str, BlobEntry]:
+    """The blobs of the newest committed checkpoint (none if there is none). Worker thread."""
+    try:
+        _, manifest = catalog.newest(store, on_damaged=lambda step, exc: None)
+    except CheckpointNotFoundError:
+        return {}
+    return {blob.name: blob for blob in manifest.blobs}
+
+
+def write_blob(store: Store, name: str, data: BytesLike) -> BlobEntry:
+    """Write blob ``name`` durably (atomic replace: same name, same bytes). No CRC32C:
+    the name is the digest readers check. Worker thread."""
+    view = memoryview(data).cast("B")
+    sink = store.open_file(blob_path(name), size=len(view))
+    try:
+        for start in range(0, len(view), tunables.CHUNK_BYTES):
+            sink.write(view[start : start + tunables.CHUNK_BYTES])
+        sink.commit()
+    except BaseException:
+        sink.discard()
+        raise
+    return BlobEntry(name, len(view), written=True)
+
+
+def blob_stored(store: Store, entry: BlobEntry) -> bool:
+    """True if blob ``entry`` is stored with its size. Worker thread."""
+    try:
+        return store.size(blob_path(entry.name)) == entry.size
+    except StorageError:
+        return False
 
 
 class Pin(msgspec.Struct, frozen=True):

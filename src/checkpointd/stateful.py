@@ -4,7 +4,8 @@ A component value is either an object with ``state_dict()`` and
 ``load_state_dict()`` (modules, optimizers, schedulers, GradScaler, RNGState,
 user objects), a random generator that has no ``state_dict`` of its own
 (``torch.Generator``, ``numpy.random.Generator``, ``numpy.random.RandomState``,
-``random.Random``), or a plain value (a tensor, an array, or a nested
+``random.Random``), a ``DistributedSampler`` (its order is a function of its seed
+and epoch, which are stored with the settings that partition the data), or a plain value (a tensor, an array, or a nested
 dict/list/tuple of those and of primitives). Wrapped modules
 (DistributedDataParallel, DataParallel, torch.compile) are unwrapped first, so
 a checkpoint taken from a wrapped model loads into a plain one and back.
@@ -30,10 +31,12 @@ from checkpointd.tree import map_tree
 __all__ = [
     "BIT_GENERATOR_KEY",
     "RANDOM_STATE_KEY",
+    "SAMPLER_CHECKED",
     "Stateful",
     "component_state",
     "dtensor_templates",
     "is_random_generator",
+    "is_sampler",
     "is_stateful",
     "load_component",
     "unwrap",
@@ -43,6 +46,10 @@ _GENERATOR_KEY = "generator_state"
 BIT_GENERATOR_KEY = "bit_generator_state"
 RANDOM_STATE_KEY = "random_state"
 _PYTHON_RANDOM_KEY = "python_random"
+_SAMPLER_LOADED = ("epoch", "seed")
+SAMPLER_CHECKED = ("num_replicas", "rank", "shuffle", "drop_last", "num_samples")
+"""A DistributedSampler's settings that decide which indices it yields: stored, and
+required to match on restore (a sampler for another rank or dataset is refused)."""
 
 
 @runtime_checkable
@@ -74,12 +81,23 @@ def is_random_generator(value: Any) -> bool:
     )
 
 
-def is_stateful(value: Any) -> bool:
-    """True if ``value`` is restored in place (``load_state_dict`` or a random generator)."""
-    return is_random_generator(value) or (
-        callable(getattr(value, "state_dict", None))
-        and callable(getattr(value, "load_state_dict", None))
+def _has_state_dict(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
     )
+
+
+def is_sampler(value: Any) -> bool:
+    """True for a ``DistributedSampler`` without a state_dict of its own."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    return isinstance(value, DistributedSampler) and not _has_state_dict(value)
+
+
+def is_stateful(value: Any) -> bool:
+    """True if ``value`` is restored in place (``load_state_dict``, a random generator or a
+    DistributedSampler)."""
+    return is_random_generator(value) or is_sampler(value) or _has_state_dict(value)
 
 
 def python_random_state(state: tuple[Any, ...]) -> dict[str, Any]:
@@ -109,6 +127,8 @@ def component_state(value: Any, name: str) -> Any:
         return {RANDOM_STATE_KEY: value.get_state(legacy=False)}
     if isinstance(value, random.Random):
         return {_PYTHON_RANDOM_KEY: python_random_state(value.getstate())}
+    if is_sampler(value):
+        return {key: getattr(value, key) for key in (*_SAMPLER_LOADED, *SAMPLER_CHECKED)}
     if is_stateful(value):
         return value.state_dict()
     return value
@@ -131,7 +151,7 @@ def dtensor_templates(name: str, target: Any, targets: Mapping[str, Any]) -> dic
     if isinstance(live, torch.optim.Optimizer):
         found: dict[str, Any] = templates(name, live, targets)
         return found
-    if is_stateful(live) and not is_random_generator(live):
+    if _has_state_dict(live):
         tree = live.state_dict()
     elif isinstance(live, Mapping | list | tuple):
         tree = live  # a plain container target: its own DTensors are the templates
@@ -163,6 +183,11 @@ def load_component(target: Any, tree: Any, targets: Mapping[str, Any] | None = N
         target.set_state(_as_numpy(tree[RANDOM_STATE_KEY]))
     elif isinstance(target, random.Random):
         target.setstate(python_random_tuple(tree[_PYTHON_RANDOM_KEY]))
+    elif is_sampler(target):
+        from checkpointd.fit import check_state
+
+        check_state(target, tree, "sampler")
+        target.epoch, target.seed = (int(tree[key]) for key in _SAMPLER_LOADED)
     elif is_stateful(target):
         target.load_state_dict(tree)
     elif isinstance(target, torch.Tensor):

@@ -273,18 +273,19 @@ class WriterBase:
             # before optimizers become state dicts by parameter name: the stager finds
             # them (and their tensors, which those state dicts share) here
             staging, copier = self._stager.begin(captured)
+        saver = self._service.incremental
+        hold = None if saver is None else saver.hold()  # what capture finds unchanged
         try:
             if group is not None or _distributed():
                 from checkpointd.optimizers import by_parameter_name
 
                 captured = by_parameter_name(captured, ranked=group is not None)
-            saver = self._service.incremental
             components = capture(
                 captured,
                 buffer,
                 copier,
                 ranked=group is not None,
-                prehash=None if saver is None else saver.prehash,
+                prehash=None if hold is None else hold.prehash,
             )
             if held := [c.name for c in components if c.shards and c.name in per_rank]:
                 raise UnsupportedValueError(
@@ -294,6 +295,8 @@ class WriterBase:
         except BaseException:
             if staging is not None and staging.started:
                 staging.wait()  # the caller releases the buffer: no copy may still write
+            if hold is not None:
+                hold.release()
             raise
         snapshot = Snapshot(
             step,

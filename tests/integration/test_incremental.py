@@ -26,6 +26,7 @@ from checkpointd.shared import write_pin
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 from tests.faults.helpers import same
+from tests.support.gates import hold_local_writes
 
 SMALL = 1024
 """INCREMENTAL_MIN_BYTES in these tests: a (32, 32) float32 tensor (4 KiB) is a blob."""
@@ -312,3 +313,39 @@ def test_a_blob_deleted_under_an_uncopied_tensor_fails_the_save_and_the_next_cop
     assert same(
         checkpointd.load(local_root.url, step=4).state["model"], lora_state(4, base)["model"]
     )
+
+
+@pytest.mark.parametrize("keep_last", [None, 1])
+def test_a_tensor_back_at_an_earlier_value_while_a_save_is_writing(
+    local_root: Root, monkeypatch: pytest.MonkeyPatch, keep_last: int | None
+) -> None:
+    """max_pending=2: save 3 is captured while save 2 is held, so capture checks it
+    against what save 1 found unchanged (zeros), though save 2 wrote ones; and with
+    keep_last=1 the retention after save 2 drops step 1, the only one listing zeros."""
+    frozen = torch.randn(32, 32, generator=torch.Generator().manual_seed(7))
+    values = {0: 0.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0}  # an accumulator reset to zeros
+
+    def state(step: int) -> dict[str, Any]:
+        return {"model": {"frozen": frozen, "acc": torch.full((32, 32), values[step])}}
+
+    with checkpointd.CheckpointWriter(
+        local_root.url, incremental=True, max_pending=2, keep_last=keep_last
+    ) as writer:
+        for step in (0, 1):
+            writer.save(step, state(step)).result()
+        gate = hold_local_writes(monkeypatch)  # save 2 waits at its first storage call
+        second = writer.save(2, state(2))
+        third = writer.save(3, state(3))  # captured while 2 is in flight
+        assert not second.done()
+        gate.set()
+        second.result()
+        third.result()
+        writer.save(4, state(4)).result()
+    store = open_store(local_root.url)
+    steps = [4] if keep_last else [0, 1, 2, 3, 4]
+    assert [i.step for i in checkpointd.list_checkpoints(local_root.url)] == steps
+    for step in steps:
+        assert same(checkpointd.load(local_root.url, step=step).state, state(step))
+        assert verify_step(store, step, catalog.read_manifest(store, step)) == []
+    assert store.list_dir(PINS_DIR) == []
+    assert _blobs(store) == _used(store)  # nothing left behind for gc

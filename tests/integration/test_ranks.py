@@ -7,6 +7,7 @@ rank saw from its report.
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import checkpointd
 from checkpointd import catalog
 from checkpointd.manifest import SCHEMA_VERSION, Manifest, decode_manifest, encode_manifest
 from checkpointd.storage import open_store
+from tests.faults.helpers import same
 from tests.support.launch import run_ranks
 from tests.support.rank_job import Position, replicated_state
 
@@ -42,7 +44,9 @@ def _published(root: Path) -> list[int]:
     return [info.step for info in checkpointd.list_checkpoints(str(root))]
 
 
-def test_replicated_save_spreads_files_over_ranks_and_loads_whole(tmp_path: Path) -> None:
+def test_replicated_save_spreads_files_over_ranks_and_loads_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     reports = run_job("replicated", tmp_path / "root", tmp_path / "out")
     assert [r and r["ok"] for r in reports] == [True, True], reports
     manifest = catalog.read_manifest(open_store(str(tmp_path / "root")), 1)
@@ -70,9 +74,16 @@ def test_replicated_save_spreads_files_over_ranks_and_loads_whole(tmp_path: Path
     with pytest.raises(checkpointd.RestoreMismatchError, match="saved by 2 ranks"):
         checkpointd.restore(str(tmp_path / "root"), {"loader": Position(0)})
     fresh = Position(0)
-    info = checkpointd.restore(str(tmp_path / "root"), {"loader": fresh}, strict=False)
+    with caplog.at_level(logging.WARNING, logger="checkpointd"):
+        info = checkpointd.restore(str(tmp_path / "root"), {"loader": fresh}, strict=False)
     assert info.skipped_targets == ("loader",)
     assert fresh.pos == 0
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "checkpointd"]
+    assert "without a component" not in message  # it has one, saved by another world size
+    assert (
+        "per-rank targets ['loader'] (their components were saved by 2 ranks, this job has 1)"
+        in message
+    )
 
 
 def test_replicas_that_differ_fail_on_every_rank_naming_component_and_ranks(tmp_path: Path) -> None:
@@ -177,3 +188,39 @@ def test_a_manifest_with_an_incomplete_per_rank_component_is_corrupt() -> None:
     )
     with pytest.raises(checkpointd.CorruptCheckpointError, match="per-rank component 'rng'"):
         decode_manifest(encode_manifest(manifest))
+
+
+def _readme_job(action: str, root: Path, out: Path, world: int, strict: str = "strict") -> Any:
+    reports = run_ranks(
+        "tests.support.readme_job", [action, str(root), str(out), strict], out, world
+    )
+    for rank, report in enumerate(reports):
+        assert report is not None, (out / f"stderr{rank}.txt").read_text()[-3000:]
+        assert report["ok"], report
+    return reports
+
+
+def test_the_readme_fsdp2_example_resumes_every_component_per_rank(tmp_path: Path) -> None:
+    """The README's example: one state dict (FSDP2 model, optimizer, RNGState,
+    PerRank(DistributedSampler)) saved on 2 ranks and restored as it is, strictly, on 2;
+    on 3, strict=False restores model and optimizer and says why rng and loader were not."""
+    root = tmp_path / "root"
+    saved = _readme_job("save", root, tmp_path / "save", 2)
+    restored = _readme_job("restore", root, tmp_path / "restore", 2)
+    assert same(torch.load(tmp_path / "save/save.pt"), torch.load(tmp_path / "restore/restore.pt"))
+    for rank in (0, 1):
+        mine = {"model", "optimizer", f"rng-rank{rank}", f"loader-rank{rank}"}
+        assert set(restored[rank]["restored"]) == mine  # the components, this rank's own
+        assert (restored[rank]["epoch"], restored[rank]["seed"]) == (3, 5)
+        assert restored[rank]["rand"] == saved[rank]["rand"]  # each rank's own generator
+        assert restored[rank]["warnings"] == []
+    assert saved[0]["rand"] != saved[1]["rand"]
+    wider = _readme_job("restore", root, tmp_path / "wider", 3, "loose")
+    assert same(torch.load(tmp_path / "save/save.pt"), torch.load(tmp_path / "wider/restore.pt"))
+    for report in wider:
+        assert set(report["restored"]) == {"model", "optimizer"}
+        assert set(report["skipped_targets"]) == {"rng", "loader"}
+        assert (report["epoch"], report["seed"]) == (0, 0)  # left as it was
+        (warning,) = report["warnings"]
+        assert "without a component" not in warning, warning
+        assert "saved by 2 ranks, this job has 3" in warning, warning

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import checkpointd
 from checkpointd import TrainingProgress
@@ -68,3 +70,41 @@ def test_state_dict_layout_is_unchanged() -> None:
         "epoch_start_generator",
     }
     assert state["history"] == {"loss": [1.0]}
+
+
+def _loader(**options: object) -> torch.utils.data.DataLoader[tuple[torch.Tensor, ...]]:
+    data = torch.utils.data.TensorDataset(torch.arange(12))
+    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=2, rank=0)
+    return torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler, **options)  # type: ignore[arg-type]
+
+
+def _mid_epoch() -> TrainingProgress:
+    progress = TrainingProgress()
+    for _ in progress.epoch_batches(_loader()):
+        if progress.batch_in_epoch == 2:
+            break
+    resumed = TrainingProgress()
+    resumed.load_state_dict(progress.state_dict())
+    return resumed
+
+
+def test_a_mid_epoch_resume_without_the_loaders_generator_warns_once() -> None:
+    """iter(loader) draws from torch's global generator: a resume that iterates again
+    draws twice where the run it resumes drew once, so it is not bit-exact."""
+    resumed = _mid_epoch()
+    with pytest.warns(
+        checkpointd.ResumeNotExactWarning, match=r"generator=g.*epoch_batches\(loader, g\)"
+    ):
+        batches = list(resumed.epoch_batches(_loader()))
+    assert len(batches) == 1  # 3 batches per epoch on this rank, 2 consumed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # later epochs start at their beginning: nothing to rewind
+            list(resumed.epoch_batches(_loader()))
+
+
+def test_a_mid_epoch_resume_with_the_loaders_own_generator_unpassed_names_it() -> None:
+    resumed = _mid_epoch()
+    loader = _loader(generator=torch.Generator().manual_seed(0))
+    with pytest.warns(checkpointd.ResumeNotExactWarning, match=r"loader\.generator"):
+        list(resumed.epoch_batches(loader))

@@ -280,3 +280,49 @@ def test_training_progress_resumes_a_shuffled_loader_mid_epoch() -> None:
         seen += [b[0].tolist() for b in resumed.epoch_batches(loader(g), g)]
     assert seen == order
     assert order[:5] != order[5:10]  # the epochs are shuffled differently
+
+
+def _sampler(**options: Any) -> torch.utils.data.distributed.DistributedSampler[Any]:
+    data = torch.utils.data.TensorDataset(torch.arange(21))
+    defaults: dict[str, Any] = {"num_replicas": 2, "rank": 1}
+    return torch.utils.data.distributed.DistributedSampler(data, **{**defaults, **options})
+
+
+def test_the_dict_given_to_save_restores_per_rank_targets_in_place(memory_root: Root) -> None:
+    """Saved alone, a PerRank component is an ordinary one; the same dict restores it."""
+    counter = Counter()
+    counter.count = 4
+    _save(memory_root, {"c": checkpointd.PerRank(counter)})
+    fresh = Counter()
+    info = _restore(memory_root, {"c": checkpointd.PerRank(fresh)})
+    assert info.restored == ("c",)
+    assert fresh.count == 4
+
+
+def test_a_distributed_sampler_is_a_component(memory_root: Root) -> None:
+    """Its epoch and seed come back (its order is a function of them); no state_dict."""
+    sampler = _sampler(seed=5)
+    sampler.set_epoch(3)
+    _save(memory_root, {"loader": checkpointd.PerRank(sampler)})
+    assert checkpointd.load(memory_root.url).state["loader"]["epoch"] == 3
+    fresh = _sampler()
+    assert list(fresh) != list(sampler)
+    info = _restore(memory_root, {"loader": checkpointd.PerRank(fresh)})
+    assert info.restored == ("loader",)
+    assert (fresh.epoch, fresh.seed) == (3, 5)
+    assert list(fresh) == list(sampler)  # the same order of indices
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("num_replicas", 3), ("rank", 0), ("shuffle", False), ("drop_last", True)]
+)
+def test_a_sampler_for_another_partition_is_refused(
+    memory_root: Root, option: str, value: Any
+) -> None:
+    sampler = _sampler()
+    sampler.set_epoch(2)
+    _save(memory_root, {"loader": sampler})
+    other = _sampler(**{option: value})
+    with pytest.raises(checkpointd.RestoreMismatchError, match=option):
+        _restore(memory_root, {"loader": other})
+    assert other.epoch == 0
