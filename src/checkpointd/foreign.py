@@ -15,7 +15,6 @@ Blocking; call from any thread (not while a writer on ROOT runs in this thread).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -24,123 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
+from checkpointd.foreign_dcp import DCP_METADATA, DCPUnpickler, read_dcp
 from checkpointd.layout import is_component_name
 
 __all__ = ["DCPUnpickler", "ImportResult", "import_checkpoint", "read_source"]
 
 HF_INDEX = "model.safetensors.index.json"
-DCP_METADATA = ".metadata"
-
-_DCP = "torch.distributed.checkpoint"
-_ADMITTED: dict[str, frozenset[str]] = {
-    f"{_DCP}.metadata": frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "MetadataIndex",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    f"{_DCP}.filesystem": frozenset({"_StorageInfo"}),
-    # Maps a layout's name to the torch.layout; reads a dict, calls nothing else.
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size", "strided", "sparse_coo", "contiguous_format", "preserve_format"}),
-    "collections": frozenset({"OrderedDict"}),
-    # StorageMeta.checkpoint_id: making a path object touches no file.
-    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
-}
-
-
-class DCPUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata``: DCP's metadata classes and plain values only.
-
-    Anything else (``os.system``, ``builtins.eval``, any ``__reduce__`` to a
-    callable not listed) raises CorruptCheckpointError at the name lookup,
-    before it could be called.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        allowed = name in _ADMITTED.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        )
-        if not allowed:
-            raise CorruptCheckpointError(
-                f"DCP metadata refers to {module}.{name}, which is not a DCP metadata class; "
-                "refused without running it"
-            )
-        return super().find_class(module, name)
-
-
-def _load_dcp_metadata(data: bytes, where: str) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    try:
-        metadata = DCPUnpickler(io.BytesIO(data)).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{where}: unreadable DCP metadata ({exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
-    return metadata
-
-
-def _read_dcp(folder: str) -> dict[str, Any]:
-    """The state dict of a DCP folder, read in this one process."""
-    import torch
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    where = os.path.join(folder, DCP_METADATA)
-    with open(where, "rb") as f:
-        metadata = _load_dcp_metadata(f.read(), where)
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class Planner(_EmptyStateDictLoadPlanner):
-        # DefaultLoadPlanner.load_bytes would torch.load(weights_only=False).
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], loaded)
-            else:
-                self.state_dict[fqn] = loaded
-
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
-    return {key: _int_state_keys(value) for key, value in state.items()}
-
-
-def _int_state_keys(value: Any) -> Any:
-    """DCP stores a plain ``optimizer.state_dict()``'s parameter indices as strings
-    ("0"); give them back as ints so ``load_state_dict`` matches them again."""
-    if not isinstance(value, dict) or not isinstance(value.get("state"), dict):
-        return value
-    groups = value.get("param_groups")
-    indices = {p for g in groups or () if isinstance(g, dict) for p in g.get("params", ())}
-    if not indices or not all(isinstance(p, int) for p in indices):
-        return value
-    state = {
-        int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value["state"].items()
-    }
-    return {**value, "state": state}
 
 
 def _read_hf(folder: str) -> dict[str, Any]:
@@ -172,7 +60,7 @@ def read_source(source: str) -> tuple[str, Any]:
 
     if os.path.isdir(source):
         if os.path.exists(os.path.join(source, DCP_METADATA)):
-            return "dcp", _read_dcp(source)
+            return "dcp", read_dcp(source)
         if os.path.exists(os.path.join(source, HF_INDEX)) or os.path.exists(
             os.path.join(source, "model.safetensors")
         ):
