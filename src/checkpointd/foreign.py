@@ -15,6 +15,7 @@ Blocking; call from any thread (not while a writer on ROOT runs in this thread).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -22,46 +23,89 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
-from checkpointd.foreign_dcp import DCP_METADATA, DCPUnpickler, read_dcp
+from checkpointd.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageNotFoundError,
+)
+from checkpointd.foreign_dcp import DCP_METADATA, DCPUnpickler, brief, read_dcp
 from checkpointd.layout import is_component_name
+from checkpointd.storage.base import translate_os_error
 
 __all__ = ["DCPUnpickler", "ImportResult", "import_checkpoint", "read_source"]
 
 HF_INDEX = "model.safetensors.index.json"
 
 
-def _read_hf(folder: str) -> dict[str, Any]:
+_STORAGE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EIO})
+
+
+def _unreadable(exc: Exception, path: str, what: str) -> CheckpointError:
+    """StorageError for an I/O failure of the disk, CorruptCheckpointError for the rest
+    (a reader's OSError such as EINVAL from seeking past a truncated end is damage)."""
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+        return translate_os_error(exc, "read", path)
+    return CorruptCheckpointError(f"{path}: not a readable {what} ({brief(exc)})")
+
+
+def _read_safetensors(path: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    try:
+        return dict(load_file(path))
+    except Exception as exc:  # SafetensorError, or torch refusing what it describes
+        raise _unreadable(exc, path, "safetensors file") from exc
+
+
+def _read_hf(folder: str) -> dict[str, Any]:
     index = os.path.join(folder, HF_INDEX)
-    if not os.path.exists(index):
-        return dict(load_file(os.path.join(folder, "model.safetensors")))
-    with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f).get("weight_map")
+    if not os.path.lexists(index):
+        return _read_safetensors(os.path.join(folder, "model.safetensors"))
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise _unreadable(exc, index, "JSON index") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
-        raise CorruptCheckpointError(f"{index}: no weight_map object")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
+        raise CorruptCheckpointError(f"{index}: not an object with a weight_map object")
+    for shard in weight_map.values():
         if not isinstance(shard, str) or os.path.basename(shard) != shard or shard.startswith("."):
             raise CorruptCheckpointError(f"{index}: unsafe shard name {shard!r}")
     tensors: dict[str, Any] = {}
-    for shard in shards:
-        tensors.update(load_file(os.path.join(folder, shard)))
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(_read_safetensors(os.path.join(folder, shard)))
     missing = set(weight_map) - set(tensors)
     if missing:
         raise CorruptCheckpointError(f"{index}: tensors missing from shards: {sorted(missing)[:5]}")
     return {name: tensors[name] for name in weight_map}
 
 
-def read_source(source: str) -> tuple[str, Any]:
-    """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``."""
+def _read_torch(path: str) -> Any:
     import torch
 
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CorruptCheckpointError(
+            f"{path}: not loadable with torch.load(weights_only=True) ({brief(exc)}); "
+            "checkpointd never runs a full unpickle"
+        ) from exc
+    except Exception as exc:  # truncated or damaged zip, bad storage records
+        raise _unreadable(exc, path, "torch.save file") from exc
+
+
+def read_source(source: str) -> tuple[str, Any]:
+    """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``.
+
+    A damaged source is CorruptCheckpointError, a missing one StorageNotFoundError."""
+    if not os.path.lexists(source):
+        raise StorageNotFoundError(errno.ENOENT, f"{source}: no such file or folder")
     if os.path.isdir(source):
-        if os.path.exists(os.path.join(source, DCP_METADATA)):
+        if os.path.lexists(os.path.join(source, DCP_METADATA)):
             return "dcp", read_dcp(source)
-        if os.path.exists(os.path.join(source, HF_INDEX)) or os.path.exists(
+        if os.path.lexists(os.path.join(source, HF_INDEX)) or os.path.lexists(
             os.path.join(source, "model.safetensors")
         ):
             return "hf", _read_hf(source)
@@ -70,16 +114,8 @@ def read_source(source: str) -> tuple[str, Any]:
             "model.safetensors (Hugging Face)"
         )
     if source.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return "safetensors", dict(load_file(source))
-    try:
-        return "torch", torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CorruptCheckpointError(
-            f"{source}: not loadable with torch.load(weights_only=True) ({exc}); "
-            "checkpointd never runs a full unpickle"
-        ) from exc
+        return "safetensors", _read_safetensors(source)
+    return "torch", _read_torch(source)
 
 
 def _is_lightning(value: Any) -> bool:

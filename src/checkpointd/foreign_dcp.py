@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 from collections.abc import Mapping
 from typing import Any
 
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.tunables import MAX_JSON_DEPTH
 
-__all__ = ["DCP_METADATA", "EMPTY_MAPPINGS", "DCPUnpickler", "empty_mappings", "read_dcp"]
+__all__ = ["DCP_METADATA", "EMPTY_MAPPINGS", "DCPUnpickler", "brief", "empty_mappings", "read_dcp"]
 
 DCP_METADATA = ".metadata"
 EMPTY_MAPPINGS = "checkpointd.empty_mappings"
@@ -81,7 +82,7 @@ def _load_dcp_metadata(data: bytes, where: str) -> Any:
     except CorruptCheckpointError:
         raise
     except Exception as exc:
-        raise CorruptCheckpointError(f"{where}: unreadable DCP metadata ({exc})") from exc
+        raise CorruptCheckpointError(f"{where}: unreadable DCP metadata ({brief(exc)})") from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
     return metadata
@@ -106,18 +107,69 @@ def _numpy_globals() -> list[Any]:
     return found
 
 
+def brief(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (torch's run to many), for a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0][:300] if lines else "") or type(exc).__name__
+
+
+def _inside(folder: str, name: Any, what: str) -> int:
+    """The size of regular file ``name`` in ``folder``; CorruptCheckpointError if the name
+    leaves the folder (``..``, absolute, a separator, a symlink out) or is no regular file."""
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+        raise CorruptCheckpointError(f"DCP folder {folder}: {what} {name!r} is not a file name")
+    root = os.path.realpath(folder)
+    real = os.path.realpath(os.path.join(folder, name))
+    if os.path.dirname(real) != root:
+        raise CorruptCheckpointError(f"DCP folder {folder}: {what} {name!r} leads out of it")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"DCP folder {folder}: {what} {name!r} is missing") from exc
+    except OSError as exc:
+        raise CorruptCheckpointError(f"DCP folder {folder}: {what} {name!r}: {brief(exc)}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(f"DCP folder {folder}: {what} {name!r} is not a regular file")
+    return st.st_size
+
+
+def _check_storage(folder: str, metadata: Any) -> None:
+    """Every data file the metadata names is a regular file of this folder holding its slice."""
+    items = getattr(metadata, "storage_data", None)
+    if not isinstance(items, dict):
+        raise CorruptCheckpointError(f"DCP folder {folder}: metadata without storage_data")
+    sizes: dict[str, int] = {}
+    for info in items.values():
+        name: Any = getattr(info, "relative_path", None)
+        offset: Any = getattr(info, "offset", None)
+        length: Any = getattr(info, "length", None)
+        if not all(type(n) is int and n >= 0 for n in (offset, length)):
+            raise CorruptCheckpointError(f"DCP folder {folder}: bad offset or length in metadata")
+        if name not in sizes:
+            sizes[name] = _inside(folder, name, "data file")
+        if offset + length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"DCP folder {folder}: data file {name!r} has {sizes[name]} bytes, the metadata "
+                f"reads up to byte {offset + length}"
+            )
+
+
 def read_dcp(folder: str) -> dict[str, Any]:
-    """The state dict of a DCP folder, read in this one process."""
+    """The state dict of a DCP folder, read in this one process; CorruptCheckpointError
+    for anything damaged, or for a file name that leaves the folder."""
     import torch
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     where = os.path.join(folder, DCP_METADATA)
+    _inside(folder, DCP_METADATA, "metadata file")
     with open(where, "rb") as f:
         metadata = _load_dcp_metadata(f.read(), where)
+    _check_storage(folder, metadata)
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,8 +181,14 @@ def read_dcp(folder: str) -> dict[str, Any]:
     class Planner(_EmptyStateDictLoadPlanner):
         # DefaultLoadPlanner.load_bytes would torch.load(weights_only=False).
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
             fqn = read_item.dest_index.fqn
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CorruptCheckpointError(
+                    f"DCP folder {folder}: value {fqn!r} is not loadable with "
+                    f"torch.load(weights_only=True) ({brief(exc)}); never fully unpickled"
+                ) from exc
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], loaded)
             else:
@@ -139,8 +197,19 @@ def read_dcp(folder: str) -> dict[str, Any]:
     state: dict[str, Any] = {}
     known = torch.serialization.get_safe_globals()
     extra = [g for g in _numpy_globals() if g not in known]  # leave the caller's entries be
-    with torch.serialization.safe_globals(extra):
-        _load_state_dict(state, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+    try:
+        with torch.serialization.safe_globals(extra):
+            _load_state_dict(state, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+    except CorruptCheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()))[0] if failures else exc
+        if isinstance(cause, CorruptCheckpointError):
+            raise cause from exc
+        raise CorruptCheckpointError(
+            f"DCP folder {folder}: unreadable ({type(cause).__name__}: {brief(cause)})"
+        ) from exc
     _put_back_empty_mappings(state, state.pop(EMPTY_MAPPINGS, []), where)
     return {key: _int_state_keys(value) for key, value in state.items()}
 
