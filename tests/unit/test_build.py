@@ -187,3 +187,18 @@ def test_builtin_allow_at_the_root_imports_no_torch() -> None:
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def test_build_logs_the_strict_false_skip_once(
+    local_root: Root, caplog: pytest.LogCaptureFixture
+) -> None:
+    """build() restores with strict=False on every call; the skip is logged once (issue 19)."""
+    import logging
+
+    _save(local_root, {**_job(), "extra": Counter(1)}, _specs())  # "extra" has no spec
+    with caplog.at_level(logging.WARNING, logger="checkpointd"):
+        for _ in range(3):
+            checkpointd.build(local_root.url, allow=ALLOW)
+    skips = [r for r in caplog.records if "strict=False" in r.getMessage()]
+    assert len(skips) == 1, [r.getMessage() for r in skips]
+    assert "['extra']" in skips[0].getMessage()
