@@ -75,6 +75,8 @@ def _read_hf(folder: str) -> dict[str, Any]:
             raise CorruptCheckpointError(f"{index}: unsafe shard name {shard!r}")
     tensors: dict[str, Any] = {}
     for shard in sorted(set(weight_map.values())):
+        if not os.path.lexists(os.path.join(folder, shard)):
+            raise CorruptCheckpointError(f"{index}: shard {shard!r} is missing")
         tensors.update(_read_safetensors(os.path.join(folder, shard)))
     missing = set(weight_map) - set(tensors)
     if missing:

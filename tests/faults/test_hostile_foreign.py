@@ -79,6 +79,13 @@ def _index_not_json(tmp: Path) -> Path:
     return tmp / "hf"
 
 
+def _index_names_a_missing_shard(tmp: Path) -> Path:
+    (tmp / "hf").mkdir()
+    index = {"weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    (tmp / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp / "hf"
+
+
 def _dcp(tmp: Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
@@ -119,6 +126,7 @@ DAMAGED: dict[str, Callable[[Path], Path]] = {
     "safetensors-1TiB-header": _huge_header,
     "hf-index-is-a-list": _index_is_a_list,
     "hf-index-not-json": _index_not_json,
+    "hf-missing-shard": _index_names_a_missing_shard,
     "dcp-missing-data-file": _dcp_missing_data,
     "dcp-truncated-data-file": _dcp_truncated_data,
     "dcp-zeroed-data-file": _dcp_zeroed_data,
