@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpointd._version import __version__
 
 if TYPE_CHECKING:
+    from checkpointd.allowlist import BUILTIN_ALLOW
     from checkpointd.build import build
     from checkpointd.distributed import LOCAL, PerRank
     from checkpointd.errors import (
@@ -92,6 +93,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "WriterClosedError",
         "WrongThreadError",
     ),
+    "checkpointd.allowlist": ("BUILTIN_ALLOW",),
     "checkpointd.build": ("build",),
     "checkpointd.foreign": ("import_checkpoint",),
     "checkpointd.distributed": ("LOCAL", "PerRank"),
@@ -113,6 +115,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
+    "BUILTIN_ALLOW",
     "LOCAL",
     "AsyncCheckpointWriter",
     "Checkpoint",

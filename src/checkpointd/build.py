@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from checkpointd import catalog
+from checkpointd.allowlist import BUILTIN_ALLOW
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -31,8 +32,7 @@ from checkpointd.storage import open_store
 
 __all__ = ["BUILTIN_ALLOW", "DENY", "build", "is_allowed"]
 
-BUILTIN_ALLOW = ("torch.nn.", "torch.optim.")
-"""The torch built-ins a caller may opt into: ``from checkpointd.build import BUILTIN_ALLOW``."""
+_EXACT = frozenset(BUILTIN_ALLOW)  # each admits itself only, never a path below it
 
 DENY = (
     "builtins.",
@@ -66,6 +66,8 @@ Validator = Callable[[str, Any, CheckpointInfo], object]
 
 
 def _matches(path: str, prefix: str) -> bool:
+    if prefix in _EXACT:
+        return path == prefix
     if prefix.endswith("."):
         return path.startswith(prefix)
     return path == prefix or path.startswith(prefix + ".")
@@ -74,10 +76,14 @@ def _matches(path: str, prefix: str) -> bool:
 def is_allowed(path: str, allow: Sequence[str]) -> bool:
     """True if dotted ``path`` matches an ``allow`` prefix and no DENY entry.
 
-    An entry ending in ``.`` matches any path starting with it; any other entry
-    matches itself and the paths below it (``mypkg`` admits ``mypkg.Net``, not
-    ``mypkg_evil.Net``). Pure string check: imports nothing.
+    A BUILTIN_ALLOW entry matches itself only. Another entry ending in ``.``
+    matches any path starting with it; any other entry matches itself and the
+    paths below it (``mypkg`` admits ``mypkg.Net``, not ``mypkg_evil.Net``).
+    A path with a private (``_``) part never matches. Pure string check:
+    imports nothing.
     """
+    if any(part.startswith("_") for part in path.split(".")):
+        return False
     if any(_matches(path, d) for d in DENY):
         return False
     return any(isinstance(a, str) and a and _matches(path, a) for a in allow)
@@ -116,7 +122,21 @@ def _resolve(name: str, entry: SpecEntry) -> Callable[..., Any]:
             f"component {name!r}: {entry.module}.{entry.qualname} resolves to {home[0]}."
             f"{home[1]}, not to a class or function of that name"
         )
+    if f"{entry.module}.{entry.qualname}" in _EXACT and not _builds_objects(obj):
+        raise UnsafeSpecError(
+            f"component {name!r}: {entry.module}.{entry.qualname} is not a module, optimizer "
+            "or LR scheduler class in this torch"
+        )
     return obj
+
+
+def _builds_objects(obj: Any) -> bool:
+    """Whether ``obj`` is a class BUILTIN_ALLOW may name (in the installed torch)."""
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler
+
+    bases = (torch.nn.Module, torch.optim.Optimizer, LRScheduler)
+    return inspect.isclass(obj) and issubclass(obj, bases)
 
 
 def _select(specs: Mapping[str, SpecEntry], components: Iterable[str] | None) -> list[str]:
@@ -171,8 +191,9 @@ def build(
     ValidationFailedError and nothing is returned. ``components`` picks names
     and brings along what they are built over and what is built over them.
     Only import paths matching ``allow`` prefixes are imported (none by default;
-    BUILTIN_ALLOW admits torch.nn and torch.optim), checked before any import:
-    UnsafeSpecError otherwise. Returns name -> object. Blocking.
+    BUILTIN_ALLOW names torch's public module, optimizer and scheduler classes;
+    private ``_`` parts never), checked before any import: UnsafeSpecError
+    otherwise. Returns name -> object. Blocking.
     """
     if isinstance(allow, str):
         raise InvalidArgumentError("allow must be a sequence of prefixes, not one string")

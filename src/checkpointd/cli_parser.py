@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_conversions(commands: Any, common: argparse.ArgumentParser, root_help: str) -> None:
     """The ``export`` and ``import`` subcommands."""
     export = commands.add_parser(
-        "export", parents=[common], help="write one component as a .safetensors or .pt file"
+        "export",
+        parents=[common],
+        help="write one component as a .safetensors or .pt file, or a Hugging Face "
+        "safetensors folder (--format hf) or a DCP folder (--format dcp)",
     )
     export.add_argument("root", help=root_help)
     export.add_argument("--step", type=int, help="the step (default: the newest)")

@@ -156,17 +156,24 @@ def export_dcp(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Export:
     """Write the checkpoint (or the named components) as a PyTorch DCP folder that
-    ``torch.distributed.checkpoint.load`` reads in one process; keys are component names."""
+    ``torch.distributed.checkpoint.load`` reads in one process; keys are component names,
+    plus ``checkpointd.empty_mappings`` (the paths of empty dicts) if there are any."""
     import warnings
 
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+    from checkpointd.foreign_dcp import EMPTY_MAPPINGS, empty_mappings
+
     checkpoint = load(root, step, components=components, storage_options=storage_options)
+    state = dict(checkpoint.state)
+    empties = empty_mappings(state)
+    if empties:  # DCP's flattening drops empty dicts; import puts them back
+        state[EMPTY_MAPPINGS] = empties
     temp = _fresh_folder(target)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_save(checkpoint.state, checkpoint_id=temp, no_dist=True)
+            dcp_save(state, checkpoint_id=temp, no_dist=True)
         nbytes = sum(os.path.getsize(os.path.join(temp, n)) for n in os.listdir(temp))
         os.rename(temp, target)
     finally:

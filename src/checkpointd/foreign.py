@@ -15,7 +15,7 @@ Blocking; call from any thread (not while a writer on ROOT runs in this thread).
 
 from __future__ import annotations
 
-import io
+import errno
 import json
 import os
 import pickle
@@ -23,157 +23,91 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
+from checkpointd.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageNotFoundError,
+)
+from checkpointd.foreign_dcp import DCP_METADATA, DCPUnpickler, brief, read_dcp
 from checkpointd.layout import is_component_name
+from checkpointd.storage.base import translate_os_error
 
 __all__ = ["DCPUnpickler", "ImportResult", "import_checkpoint", "read_source"]
 
 HF_INDEX = "model.safetensors.index.json"
-DCP_METADATA = ".metadata"
-
-_DCP = "torch.distributed.checkpoint"
-_ADMITTED: dict[str, frozenset[str]] = {
-    f"{_DCP}.metadata": frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "MetadataIndex",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    f"{_DCP}.filesystem": frozenset({"_StorageInfo"}),
-    # Maps a layout's name to the torch.layout; reads a dict, calls nothing else.
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size", "strided", "sparse_coo", "contiguous_format", "preserve_format"}),
-    "collections": frozenset({"OrderedDict"}),
-    # StorageMeta.checkpoint_id: making a path object touches no file.
-    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
-}
 
 
-class DCPUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata``: DCP's metadata classes and plain values only.
-
-    Anything else (``os.system``, ``builtins.eval``, any ``__reduce__`` to a
-    callable not listed) raises CorruptCheckpointError at the name lookup,
-    before it could be called.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        allowed = name in _ADMITTED.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        )
-        if not allowed:
-            raise CorruptCheckpointError(
-                f"DCP metadata refers to {module}.{name}, which is not a DCP metadata class; "
-                "refused without running it"
-            )
-        return super().find_class(module, name)
+_STORAGE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EIO})
 
 
-def _load_dcp_metadata(data: bytes, where: str) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
+def _unreadable(exc: Exception, path: str, what: str) -> CheckpointError:
+    """StorageError for an I/O failure of the disk, CorruptCheckpointError for the rest
+    (a reader's OSError such as EINVAL from seeking past a truncated end is damage)."""
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+        return translate_os_error(exc, "read", path)
+    return CorruptCheckpointError(f"{path}: not a readable {what} ({brief(exc)})")
+
+
+def _read_safetensors(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
 
     try:
-        metadata = DCPUnpickler(io.BytesIO(data)).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{where}: unreadable DCP metadata ({exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{where}: not DCP metadata ({type(metadata).__name__})")
-    return metadata
-
-
-def _read_dcp(folder: str) -> dict[str, Any]:
-    """The state dict of a DCP folder, read in this one process."""
-    import torch
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    where = os.path.join(folder, DCP_METADATA)
-    with open(where, "rb") as f:
-        metadata = _load_dcp_metadata(f.read(), where)
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class Planner(_EmptyStateDictLoadPlanner):
-        # DefaultLoadPlanner.load_bytes would torch.load(weights_only=False).
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], loaded)
-            else:
-                self.state_dict[fqn] = loaded
-
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
-    return {key: _int_state_keys(value) for key, value in state.items()}
-
-
-def _int_state_keys(value: Any) -> Any:
-    """DCP stores a plain ``optimizer.state_dict()``'s parameter indices as strings
-    ("0"); give them back as ints so ``load_state_dict`` matches them again."""
-    if not isinstance(value, dict) or not isinstance(value.get("state"), dict):
-        return value
-    groups = value.get("param_groups")
-    indices = {p for g in groups or () if isinstance(g, dict) for p in g.get("params", ())}
-    if not indices or not all(isinstance(p, int) for p in indices):
-        return value
-    state = {
-        int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value["state"].items()
-    }
-    return {**value, "state": state}
+        return dict(load_file(path))
+    except Exception as exc:  # SafetensorError, or torch refusing what it describes
+        raise _unreadable(exc, path, "safetensors file") from exc
 
 
 def _read_hf(folder: str) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
     index = os.path.join(folder, HF_INDEX)
-    if not os.path.exists(index):
-        return dict(load_file(os.path.join(folder, "model.safetensors")))
-    with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f).get("weight_map")
+    if not os.path.lexists(index):
+        return _read_safetensors(os.path.join(folder, "model.safetensors"))
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise _unreadable(exc, index, "JSON index") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
-        raise CorruptCheckpointError(f"{index}: no weight_map object")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
+        raise CorruptCheckpointError(f"{index}: not an object with a weight_map object")
+    for shard in weight_map.values():
         if not isinstance(shard, str) or os.path.basename(shard) != shard or shard.startswith("."):
             raise CorruptCheckpointError(f"{index}: unsafe shard name {shard!r}")
     tensors: dict[str, Any] = {}
-    for shard in shards:
-        tensors.update(load_file(os.path.join(folder, shard)))
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.lexists(os.path.join(folder, shard)):
+            raise CorruptCheckpointError(f"{index}: shard {shard!r} is missing")
+        tensors.update(_read_safetensors(os.path.join(folder, shard)))
     missing = set(weight_map) - set(tensors)
     if missing:
         raise CorruptCheckpointError(f"{index}: tensors missing from shards: {sorted(missing)[:5]}")
     return {name: tensors[name] for name in weight_map}
 
 
-def read_source(source: str) -> tuple[str, Any]:
-    """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``."""
+def _read_torch(path: str) -> Any:
     import torch
 
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CorruptCheckpointError(
+            f"{path}: not loadable with torch.load(weights_only=True) ({brief(exc)}); "
+            "checkpointd never runs a full unpickle"
+        ) from exc
+    except Exception as exc:  # truncated or damaged zip, bad storage records
+        raise _unreadable(exc, path, "torch.save file") from exc
+
+
+def read_source(source: str) -> tuple[str, Any]:
+    """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``.
+
+    A damaged source is CorruptCheckpointError, a missing one StorageNotFoundError."""
+    if not os.path.lexists(source):
+        raise StorageNotFoundError(errno.ENOENT, f"{source}: no such file or folder")
     if os.path.isdir(source):
-        if os.path.exists(os.path.join(source, DCP_METADATA)):
-            return "dcp", _read_dcp(source)
-        if os.path.exists(os.path.join(source, HF_INDEX)) or os.path.exists(
+        if os.path.lexists(os.path.join(source, DCP_METADATA)):
+            return "dcp", read_dcp(source)
+        if os.path.lexists(os.path.join(source, HF_INDEX)) or os.path.lexists(
             os.path.join(source, "model.safetensors")
         ):
             return "hf", _read_hf(source)
@@ -182,16 +116,8 @@ def read_source(source: str) -> tuple[str, Any]:
             "model.safetensors (Hugging Face)"
         )
     if source.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return "safetensors", dict(load_file(source))
-    try:
-        return "torch", torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CorruptCheckpointError(
-            f"{source}: not loadable with torch.load(weights_only=True) ({exc}); "
-            "checkpointd never runs a full unpickle"
-        ) from exc
+        return "safetensors", _read_safetensors(source)
+    return "torch", _read_torch(source)
 
 
 def _is_lightning(value: Any) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,20 @@ from checkpointd.tree import map_tree
 __all__ = ["Checkpoint", "RestoreInfo", "SkippedStep", "list_checkpoints", "load", "restore"]
 
 _log = logging.getLogger("checkpointd")
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+_MAX_WARNED = 1024
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time only (``build`` restores with
+    ``strict=False`` on every call); at most ``_MAX_WARNED`` distinct ones are remembered."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        if len(_warned) < _MAX_WARNED:
+            _warned.add(message)
+    _log.warning("%s", message)
 
 
 _T = TypeVar("_T")
@@ -311,11 +326,11 @@ def restore(
     component a target, else RestoreMismatchError names the missing and
     unexpected ones. With ``strict=False`` only the names both sides have are
     restored; the rest is listed in the returned ``RestoreInfo`` and logged as a
-    warning on the ``checkpointd`` logger. Either way, every component is read,
-    verified and checked against its live target (module tensors, optimizer
-    groups and state, generator layouts...) before any target changes; if a
-    target still rejects its state, every target is put back as it was and
-    RestoreMismatchError is raised. With ``step=None``, damaged checkpoints are
+    warning on the ``checkpointd`` logger (once per distinct message). Either
+    way, every component is read, verified and checked against its live target
+    (module tensors, optimizer groups and state, generator layouts...) before
+    any target changes; if a target still rejects its state, every target is
+    put back as it was and RestoreMismatchError is raised. With ``step=None``, damaged checkpoints are
     skipped as in ``load`` (before any target changes; ``skipped_steps``).
     Blocking; call from the training thread.
     """
@@ -348,7 +363,7 @@ def restore(
         _roll_back(targets, backups, touched)
         raise
     if skipped := prepared.skipped_message():
-        _log.warning("restore(strict=False) from step %d skipped %s", prepared.step, skipped)
+        _warn_once(f"restore(strict=False) from step {prepared.step} of {root} skipped {skipped}")
     info = checkpoint.info
     return RestoreInfo(
         **{f: getattr(info, f) for f in info.__struct_fields__},

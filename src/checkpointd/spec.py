@@ -53,8 +53,9 @@ class Spec:
 def check_import_path(module: str, qualname: str) -> str | None:
     """Why ``module``/``qualname`` is not a plain importable name (None if it is).
 
-    Plain: dot-separated identifiers, no empty, relative or dunder part, no
-    ``<locals>``, not ``__main__``, at most 256 characters. Pure string checks.
+    Plain: dot-separated identifiers, no empty, relative or private (``_``,
+    dunder) part, no ``<locals>``, not ``__main__``, at most 256 characters.
+    Pure string checks.
     """
     if len(module) + len(qualname) + 1 > _MAX_PATH:
         return f"the import path is longer than {_MAX_PATH} characters"
@@ -63,8 +64,8 @@ def check_import_path(module: str, qualname: str) -> str | None:
     for part in (*module.split("."), *qualname.split(".")):
         if not _IDENTIFIER.match(part):
             return f"{part!r} is not a Python identifier (local, relative or path-like name)"
-        if part.startswith("__"):
-            return f"it goes through the dunder name {part!r}"
+        if part.startswith("_"):
+            return f"it goes through the private name {part!r} (build never imports those)"
     return None
 
 

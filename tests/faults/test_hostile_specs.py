@@ -192,3 +192,45 @@ def test_allow_must_be_a_sequence(tmp_path: Path) -> None:
     _saved(tmp_path / "ckpt")
     with pytest.raises(checkpointd.InvalidArgumentError):
         checkpointd.build(str(tmp_path / "ckpt"), allow="tests.")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("module", "qualname", "allow"),
+    [
+        # A plain function under torch.nn. whose body is importlib.import_module(arg).
+        ("torch.nn.attention._fa3", "_fa3_import_module", ALLOW),
+        ("torch.nn.attention._fa3", "_fa3_import_module", ("torch.nn.", "torch.optim.")),
+        ("torch.nn.init", "xavier_uniform_", ALLOW),
+        ("torch.nn.functional", "relu", ALLOW),
+        ("torch.nn.modules.module", "register_module_forward_hook", ALLOW),
+        ("torch.optim.optimizer", "register_optimizer_step_pre_hook", ALLOW),
+        ("torch.optim.lr_scheduler", "LRScheduler.step", ALLOW),  # below an allowed class
+        ("tests.support.specprobe", "_Private", ("tests.support.specprobe", *ALLOW)),
+        ("tests.support.specprobe", "_Private", ("tests.support.specprobe._Private", *ALLOW)),
+    ],
+)
+def test_non_classes_and_private_paths_under_allowed_prefixes_are_refused(
+    tmp_path: Path,
+    module: str,
+    qualname: str,
+    allow: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BUILTIN_ALLOW names classes, not prefixes; no allow admits a private part (issue 19)."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("CHECKPOINTD_SPECPROBE", str(marker))
+    sys.modules.pop("tests.support.specprobe", None)
+    path = _saved(tmp_path / "ckpt")
+    _rewrite(path, "model", module=module, qualname=qualname, args=["tests.support.specprobe"])
+    with pytest.raises(checkpointd.UnsafeSpecError, match="nothing was imported"):
+        checkpointd.build(str(tmp_path / "ckpt"), allow=allow)
+    assert not marker.exists()
+    assert "tests.support.specprobe" not in sys.modules
+
+
+def test_spec_refuses_private_paths() -> None:
+    """What build() would never import is refused when the spec is made, not at build."""
+    from torch.nn.attention import _fa3
+
+    with pytest.raises(checkpointd.InvalidArgumentError, match="private name '_fa3'"):
+        checkpointd.spec(_fa3._fa3_import_module, "tests.support.specprobe")

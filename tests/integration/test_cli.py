@@ -471,3 +471,13 @@ def test_export_writes_tied_tensors_once_per_name(
     assert sorted(saved) == ["bias", "embed", "head"]
     assert torch.equal(saved["embed"], shared)
     assert torch.equal(saved["head"], shared)
+
+
+def test_help_says_what_export_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`checkpointd --help` named only the file formats of export (issue 19)."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    export = text[text.index("export ") : text.index(" import ")]
+    for word in (".safetensors", ".pt", "Hugging Face", "DCP"):
+        assert word in export, export

@@ -204,3 +204,95 @@ def test_cli_import_and_export(tmp_path: Path) -> None:
     )
     assert failed.returncode == 1
     assert "needs --component" in failed.stderr
+
+
+def _bit_equal(a: Any, b: Any, path: str = "") -> None:
+    """Assert two state trees hold the same values bit for bit, type for type."""
+    import numpy as np
+
+    if isinstance(a, dict) and isinstance(b, dict):  # an OrderedDict state_dict comes back a dict
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _bit_equal(a[key], b[key], f"{path}/{key}")
+        return
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert _same({path: a.reshape(-1)}, {path: b.reshape(-1)}), path
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+    elif isinstance(a, np.ndarray | np.generic):
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), path
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _bit_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or repr(a) == repr(b), f"{path}: {a!r} != {b!r}"  # repr: NaN == NaN
+
+
+def test_dcp_export_then_import_of_a_demo_like_state_with_rng_is_bit_exact(
+    tmp_path: Path,
+) -> None:
+    """RNGState's NumPy keys (and NumPy values anywhere) come back without running pickle
+    code: export stores them as torch.save bytes, import admits only NumPy's array and
+    scalar rebuilders (issue 19)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    progress = checkpointd.TrainingProgress()
+    progress.record(samples=3, loss=0.25)
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "rng": checkpointd.RNGState(),
+        "progress": progress,
+        "extra": {"scalar": np.float32(1.5), "ints": np.arange(4, dtype=np.int16), "n": 3},
+    }
+    with checkpointd.CheckpointWriter(str(tmp_path / "a")) as writer:
+        writer.save(4, state).result(timeout=60)
+    export_dcp(str(tmp_path / "a"), str(tmp_path / "dcp"))
+    done = import_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "b"), step=4)
+    assert set(done.components) == set(state)
+    _bit_equal(
+        checkpointd.load(str(tmp_path / "a")).state, checkpointd.load(str(tmp_path / "b")).state
+    )
+    np.random.seed(1)
+    torch.manual_seed(1)
+    checkpointd.restore(str(tmp_path / "b"), {"rng": checkpointd.RNGState()}, strict=False)
+    after = (np.random.rand(), torch.rand(1))
+    checkpointd.restore(str(tmp_path / "a"), {"rng": checkpointd.RNGState()}, strict=False)
+    assert after == (np.random.rand(), torch.rand(1))
+
+
+def test_dcp_round_trip_keeps_empty_mappings(tmp_path: Path) -> None:
+    """DCP's flattening drops empty dicts (a fresh optimizer's ``state``, an empty
+    history); export records where they were and import puts them back."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # never stepped: state == {}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "progress": checkpointd.TrainingProgress(),  # history == {}
+        "extra": {"empty": {}, "nested": {"deeper": {}, "n": 1}},
+    }
+    with checkpointd.CheckpointWriter(str(tmp_path / "a")) as writer:
+        writer.save(1, state).result(timeout=60)
+    export_dcp(str(tmp_path / "a"), str(tmp_path / "dcp"))
+    import_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "b"), step=1)
+    _bit_equal(
+        checkpointd.load(str(tmp_path / "a")).state, checkpointd.load(str(tmp_path / "b")).state
+    )
+    back: dict[str, Any] = {
+        "model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    }
+    dcp.load(back, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # torch still reads it
+    assert _same(model.state_dict(), back["model"])

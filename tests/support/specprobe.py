@@ -15,3 +15,7 @@ class Probe:
         if _marker:
             with open(_marker, "a") as f:
                 f.write(" called")
+
+
+class _Private(Probe):
+    """A private name in an allowed module: build must refuse it before importing this module."""

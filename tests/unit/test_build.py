@@ -68,9 +68,9 @@ def test_build_in_a_fresh_process_without_construction_code(tmp_path: Path) -> N
     expected = train(job["model"], job["optimizer"], job["scheduler"], 4, seed=3)
     script = (
         "import json, sys, checkpointd\n"
-        "from checkpointd.build import BUILTIN_ALLOW\n"
         "from tests.support.specmodels import train\n"
-        "o = checkpointd.build(sys.argv[1], allow=('tests.support.specmodels', *BUILTIN_ALLOW))\n"
+        "allow = ('tests.support.specmodels', *checkpointd.BUILTIN_ALLOW)\n"
+        "o = checkpointd.build(sys.argv[1], allow=allow)\n"
         "print(json.dumps(train(o['model'], o['optimizer'], o['scheduler'], 4, seed=3)))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
@@ -142,3 +142,63 @@ def test_checkpoint_without_specs(local_root: Root) -> None:
         writer.save(1, {"counter": Counter(1)}).result(timeout=60)
     with pytest.raises(checkpointd.CheckpointNotFoundError, match="without specs"):
         checkpointd.build(local_root.url, allow=ALLOW)
+
+
+def _exported_classes() -> set[str]:
+    """Every public module, optimizer and scheduler class torch.nn / torch.optim export."""
+    import inspect
+
+    from torch.optim.lr_scheduler import LRScheduler
+
+    bases = (torch.nn.Module, torch.optim.Optimizer, LRScheduler)
+    found = set()
+    for ns in (torch.nn, torch.optim, torch.optim.lr_scheduler, torch.optim.swa_utils):
+        for name in dir(ns):
+            obj = getattr(ns, name)
+            if not name.startswith("_") and inspect.isclass(obj) and issubclass(obj, bases):
+                found.add(f"{obj.__module__}.{obj.__qualname__}")
+    return found
+
+
+def test_builtin_allow_names_only_public_torch_classes() -> None:
+    """Exact class paths, no prefixes: a torch.nn function is not admitted (issue 19)."""
+    import importlib
+
+    from torch.optim.lr_scheduler import LRScheduler
+
+    assert checkpointd.BUILTIN_ALLOW is BUILTIN_ALLOW
+    assert _exported_classes() <= set(BUILTIN_ALLOW)
+    for path in BUILTIN_ALLOW:
+        assert not any(p.startswith("_") for p in path.split(".")), path
+        module, _, name = path.rpartition(".")
+        obj = getattr(importlib.import_module(module), name)
+        assert issubclass(obj, (torch.nn.Module, torch.optim.Optimizer, LRScheduler)), path
+        assert f"{obj.__module__}.{obj.__qualname__}" == path
+    for spec in _specs().values():
+        if spec.module.startswith("torch."):
+            assert spec.path in BUILTIN_ALLOW
+
+
+def test_builtin_allow_at_the_root_imports_no_torch() -> None:
+    code = (
+        "import sys, checkpointd\n"
+        "assert 'torch.optim.adamw.AdamW' in checkpointd.BUILTIN_ALLOW\n"
+        "assert 'torch' not in sys.modules"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def test_build_logs_the_strict_false_skip_once(
+    local_root: Root, caplog: pytest.LogCaptureFixture
+) -> None:
+    """build() restores with strict=False on every call; the skip is logged once (issue 19)."""
+    import logging
+
+    _save(local_root, {**_job(), "extra": Counter(1)}, _specs())  # "extra" has no spec
+    with caplog.at_level(logging.WARNING, logger="checkpointd"):
+        for _ in range(3):
+            checkpointd.build(local_root.url, allow=ALLOW)
+    skips = [r for r in caplog.records if "strict=False" in r.getMessage()]
+    assert len(skips) == 1, [r.getMessage() for r in skips]
+    assert "['extra']" in skips[0].getMessage()
