@@ -18,8 +18,8 @@ from checkpointd.layout import BLOBS_DIR, blob_path
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 from tests.faults.helpers import same
-from tests.integration.test_incremental import _stored_bytes
 from tests.integration.test_cli import run
+from tests.integration.test_incremental import _stored_bytes
 
 BASE = {f"layer{i}.weight": torch.full((128, 128), float(i)) for i in range(3)}
 """Three 64 KiB tensors: blobs at the default INCREMENTAL_MIN_BYTES."""
