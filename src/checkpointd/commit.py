@@ -175,6 +175,7 @@ async def commit_plan(
             metadata=plan.metadata,
             specs=plan.specs,
             writer="" if identity is None else identity.id,
+            lineage="" if identity is None else identity.lineage,
             blobs=plan.blobs,
         )
         await publish_manifest(store, manifest, limiter)

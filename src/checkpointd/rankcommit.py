@@ -388,6 +388,7 @@ async def _publish(
         per_rank=per_rank,
         specs=plan.specs,
         writer="" if identity is None else identity.id,
+        lineage="" if identity is None else identity.lineage,
     )
     await publish_manifest(store, manifest, limiter)
     return manifest
