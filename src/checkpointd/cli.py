@@ -304,6 +304,7 @@ def _rules(policy: RetentionPolicy) -> str:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from checkpointd.housekeeping import apply_gc, plan_gc
+    from checkpointd.removal import finish_removals
 
     policy = _policy(args)
     with _open(args) as store:
@@ -338,6 +339,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             print("  none")
         if args.apply:
             apply_gc(store, plan)
+    removals = finish_removals(args.root, storage_options(args), apply=args.apply)
+    if removals:
+        print("roots whose removal a crash cut short (the Lightning plugin's):")
+        print("\n".join(removals))
     verb = "deleted" if args.apply else "would delete"
     print(
         f"{verb} {len(plan.retention.delete)} checkpoint(s) and {len(plan.leftovers)} "
