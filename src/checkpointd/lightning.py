@@ -28,11 +28,8 @@ Cost. Top-k paths are new roots, so most saves open a new writer; the writers
 share their staging buffers (a warm buffer needs no page faults on the training
 thread) and removed roots are deleted on a background thread.
 
-Removal. ``remove_checkpoint`` first publishes a marker at the root naming the
-saves it waits for (removal.py), then deletes the root manifest first, through
-its Store, so a kill never leaves a torn checkpoint; a removal a kill cut short
-is finished by the next run's plugin (when it first touches the folder) or by
-``checkpointd gc DIRPATH --apply``, once those saves are committed.
+Removal is removal.py's: recorded at the root first, deleted manifest first, and
+finished by the next run (or ``checkpointd gc DIRPATH --apply``) if a kill cuts it short.
 
 What a save holds: component ``model`` (Lightning's ``state_dict``),
 ``optimizers`` (``optimizer_states``), ``trainer`` (every other key: loops,
