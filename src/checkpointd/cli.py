@@ -230,7 +230,7 @@ def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from checkpointd.reader import verify_step
 
-    checked = done = 0
+    checked = done = 0  # done: bytes read (a shared blob once, however many steps use it)
     seen: dict[tuple[str, int], str | None] = {}  # a shared blob is read once
     with _open(args) as store:
         targets, failures = _verify_targets(store, args)
@@ -241,15 +241,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         total = sum(f.size for _, m in targets for f in m.files) + sum(unique.values())
         with progress_bar(total, mode, sys.stderr) as bar:
             for step, manifest in targets:
-                bad = verify_step(store, step, manifest, bar.update, seen=seen)
+                read = [0]
+
+                def counted(n: int, read: list[int] = read) -> None:
+                    read[0] += n
+                    bar.update(n)
+
+                before = len(seen)
+                bad = verify_step(store, step, manifest, counted, seen=seen)
                 checked += 1
-                done += manifest.nbytes
+                done += read[0]
                 status = "ok" if not bad else f"FAILED ({len(bad)} bad file(s))"
+                blobs = ""
+                if manifest.blobs:
+                    again = len(manifest.blobs) - (len(seen) - before)
+                    blobs = f" + {len(manifest.blobs)} shared blobs"
+                    blobs += f" ({again} checked before)" if again else ""
                 say(
                     bar,
-                    f"step {step}: {len(manifest.files)} files"
-                    + (f" + {len(manifest.blobs)} shared blobs" if manifest.blobs else "")
-                    + f", {size_text(manifest.nbytes)}: {status}",
+                    f"step {step}: {len(manifest.files)} files{blobs}, "
+                    f"{size_text(read[0])} read: {status}",
                 )
                 for line in bad:
                     say(bar, f"  bad file {line}")
@@ -260,7 +271,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"verified {checked} checkpoint(s), {size_text(done)}: all sizes and CRC32C match")
+    print(f"verified {checked} checkpoint(s), {size_text(done)} read: all sizes and CRC32C match")
     return 0
 
 
@@ -293,6 +304,7 @@ def _rules(policy: RetentionPolicy) -> str:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from checkpointd.housekeeping import apply_gc, plan_gc
+    from checkpointd.removal import finish_removals
 
     policy = _policy(args)
     with _open(args) as store:
@@ -303,7 +315,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                 reasons = ", ".join(plan.retention.reasons[info.step])
                 print(f"  keep    step {info.step:>10}  ({reasons})")
             else:
-                print(f"  delete  step {info.step:>10}  {size_text(info.nbytes)}")
+                print(
+                    f"  delete  step {info.step:>10}  frees {size_text(plan.step_frees(info.step))}"
+                )
+        if plan.shared_frees:
+            print(
+                f"  delete  shared blobs only deleted steps use  frees "
+                f"{size_text(plan.shared_frees)}"
+            )
         if not plan.checkpoints:
             print("  no committed checkpoints")
         if plan.retention.unranked:
@@ -320,10 +339,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             print("  none")
         if args.apply:
             apply_gc(store, plan)
+    removals = finish_removals(args.root, storage_options(args), apply=args.apply)
+    if removals:
+        print("roots whose removal a crash cut short (the Lightning plugin's):")
+        print("\n".join(removals))
     verb = "deleted" if args.apply else "would delete"
     print(
         f"{verb} {len(plan.retention.delete)} checkpoint(s) and {len(plan.leftovers)} "
-        f"leftover(s), {size_text(plan.freed)}"
+        f"leftover(s), {'freed' if args.apply else 'would free'} {size_text(plan.freed)}"
         + ("" if args.apply else "; rerun with --apply to delete")
     )
     return 0

@@ -208,6 +208,7 @@ def manifest_of(
         per_rank=dict(per_rank or {}),
         specs=plan.specs,
         writer="" if identity is None else identity.id,
+        lineage="" if identity is None else identity.lineage,
         blobs=plan.blobs,
     )
 

@@ -61,6 +61,22 @@ def _dataset(config: DemoConfig) -> TensorDataset:
     return TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).sin())
 
 
+def _resume(
+    config: DemoConfig, state: dict[str, Any], progress: TrainingProgress, batches: int
+) -> str:
+    """Restore ``state`` from the newest checkpoint, if any; the line saying where the run
+    stands (epochs counted from 1, as in "epoch N done")."""
+    if not list_checkpoints(config.root, storage_options=config.storage_options):
+        return f"no checkpoint under {config.root}: starting fresh"
+    info = restore(config.root, state, storage_options=config.storage_options)
+    number = progress.epoch + 1  # the epoch in progress
+    if progress.batch_in_epoch == 0:
+        where = f"{progress.epoch} epoch(s) done, epoch {number} not started"
+    else:
+        where = f"in epoch {number}: {progress.batch_in_epoch} of {batches} batches done"
+    return f"resumed from step {info.step} at {info.path} ({where})"
+
+
 def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> TrainingProgress:
     """Train ``config.steps`` more steps, resuming from the newest checkpoint; return progress.
 
@@ -83,15 +99,7 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
         "rng": RNGState(),  # dropout draws from torch's global generator
         "progress": progress,  # epoch, step, batches consumed, loss history, data order
     }
-    existing = list_checkpoints(config.root, storage_options=config.storage_options)
-    if existing:
-        info = restore(config.root, state, storage_options=config.storage_options)
-        out(
-            f"resumed from step {info.step} at {info.path} "
-            f"(epoch {progress.epoch}, batch {progress.batch_in_epoch} of the epoch)"
-        )
-    else:
-        out(f"no checkpoint under {config.root}: starting fresh")
+    out(_resume(config, state, progress, len(loader)))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out(f"model: {nbytes / 2**20:.1f} MiB of parameters; saving every {config.save_every} steps")
 
@@ -118,6 +126,7 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
         target = progress.step + config.steps
         while progress.step < target:
             model.train()
+            first = progress.step
             for x, y in progress.epoch_batches(loader, loader_generator):
                 loss = loss_fn(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
@@ -133,7 +142,8 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
                     break
             else:
                 writer.wait()  # epoch boundary: everything saved so far is durable
-                out(f"epoch {progress.epoch} done, loss {progress.history['loss'][-1]:.4f}")
+                if progress.step > first:  # not an epoch the last run trained to its end
+                    out(f"epoch {progress.epoch} done, loss {progress.history['loss'][-1]:.4f}")
         if saved != progress.step:  # the run's last steps: a rerun continues from here
             metrics = {"loss": progress.history["loss"][-1]}
             pending.append(writer.save(progress.step, state, metrics=metrics))

@@ -32,17 +32,30 @@ class GcPlan:
     retention: RetentionPlan
     leftovers: list[Leftover]
     problems: list[str]
-    checkpoint_bytes: int | None = None
-    """Bytes deleting the checkpoints frees: their own files and the shared blobs only
-    they use (None: the sum of their sizes, as without shared blobs)."""
+    frees: dict[int, int] | None = None
+    """Bytes deleting each doomed step frees: its own files and the shared blobs no
+    other committed step uses (None: each step's size, as without shared blobs)."""
+    shared_frees: int = 0
+    """Bytes of shared blobs that only doomed steps use, several of them: freed too,
+    and counted in no step's ``frees``."""
+
+    def step_frees(self, step: int) -> int:
+        """Bytes deleting doomed ``step`` frees (see ``frees``)."""
+        if self.frees is not None:
+            return self.frees[step]
+        return next(v.nbytes for v in self.retention.delete if v.step == step)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes deleting the doomed checkpoints frees: the sum of ``step_frees`` and
+        ``shared_frees``."""
+        own = sum(self.step_frees(v.step) for v in self.retention.delete)
+        return own + self.shared_frees
 
     @property
     def freed(self) -> int:
-        """Bytes that applying the plan removes."""
-        own = self.checkpoint_bytes
-        if own is None:
-            own = sum(v.nbytes for v in self.retention.delete)
-        return own + sum(x.nbytes for x in self.leftovers)
+        """Bytes that applying the plan removes: ``checkpoint_bytes`` and the leftovers."""
+        return self.checkpoint_bytes + sum(x.nbytes for x in self.leftovers)
 
 
 def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
@@ -53,10 +66,23 @@ def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPl
     retention = plan_retention(checkpoints, policy)
     doomed = {v.step for v in retention.delete}
     kept = {b.name for s, m in found if s not in doomed for b in m.blobs}
-    dropped = {(b.name, b.size) for s, m in found if s in doomed for b in m.blobs}
-    files = sum(f.size for s, m in found if s in doomed for f in m.files)
-    freed = files + sum(size for name, size in dropped if name not in kept)
-    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, freed)
+    users: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for step, manifest in found:
+        if step in doomed:
+            for blob in manifest.blobs:
+                users.setdefault(blob.name, set()).add(step)
+                sizes[blob.name] = blob.size
+    frees = {s: sum(f.size for f in m.files) for s, m in found if s in doomed}
+    shared = 0
+    for name, steps in users.items():
+        if name in kept:
+            continue
+        if len(steps) == 1:
+            frees[next(iter(steps))] += sizes[name]
+        else:
+            shared += sizes[name]
+    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, frees, shared)
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:

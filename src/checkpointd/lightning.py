@@ -28,6 +28,9 @@ Cost. Top-k paths are new roots, so most saves open a new writer; the writers
 share their staging buffers (a warm buffer needs no page faults on the training
 thread) and removed roots are deleted on a background thread.
 
+Removal is removal.py's: recorded at the root first, deleted manifest first, and
+finished by the next run (or ``checkpointd gc DIRPATH --apply``) if a kill cuts it short.
+
 What a save holds: component ``model`` (Lightning's ``state_dict``),
 ``optimizers`` (``optimizer_states``), ``trainer`` (every other key: loops,
 callbacks, epoch, hyperparameters...) and ``rng`` (Python, NumPy, torch and
@@ -41,7 +44,6 @@ import importlib
 import importlib.util
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +55,14 @@ from checkpointd.capture import StagingBuffer
 from checkpointd.catalog import list_checkpoints
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.handle import SaveHandle
+from checkpointd.removal import (
+    Awaited,
+    due,
+    mark_root,
+    pending_removals,
+    remove_root,
+    unmark_root,
+)
 from checkpointd.restore import load
 from checkpointd.rng import RNGState
 from checkpointd.writer import CheckpointWriter
@@ -207,6 +217,8 @@ class CheckpointdIO(_Base):
         self._last_step: dict[str, int] = {}
         self._handles: list[tuple[str, SaveHandle]] = []
         self._removals: list[tuple[str, list[SaveHandle]]] = []
+        self._marked: set[str] = set()  # roots with a removal marker (removal.py)
+        self._scanned: set[str] = set()  # folders whose interrupted removals were looked at
 
     # -- Lightning's interface ------------------------------------------------
 
@@ -220,9 +232,15 @@ class CheckpointdIO(_Base):
             raise InvalidArgumentError(
                 "CheckpointdIO takes storage options once: CheckpointdIO(storage_options=...)"
             )
-        self._settle()
         root = checkpoint_root(path)
+        self._resume_removals(root)
+        # Saved again: a removal Lightning asked for earlier is off.
+        self._removals = [item for item in self._removals if item[0] != root]
+        self._settle()
         self._deleted(root)
+        if root in self._marked:  # removed once, saved again: the removal is off
+            self._marked.discard(root)
+            unmark_root(root, self._storage_options)
         writer = self._writer(root)
         step = _step_of(checkpoint)
         newest = self._last_step.get(root)
@@ -250,6 +268,7 @@ class CheckpointdIO(_Base):
         ``weights_only`` is accepted and moot: nothing is unpickled. Raises
         CheckpointNotFoundError if nothing is committed there."""
         root = checkpoint_root(path)
+        self._resume_removals(root)
         self._deleted(root)
         self._wait_for(root)
         where = map_location if isinstance(map_location, str | torch.device) else None
@@ -271,8 +290,13 @@ class CheckpointdIO(_Base):
             os.remove(text)
             return
         root = checkpoint_root(path)
-        waiting = [handle for _, handle in self._handles if not handle.done()]
-        self._removals.append((root, waiting))
+        self._resume_removals(root)
+        pending = [(r, h) for r, h in self._handles if not h.done()]
+        # Durable before this returns (training thread), so a kill cannot forget it.
+        awaited = [Awaited(r, h.step) for r, h in pending if r != root]
+        if mark_root(root, awaited, self._storage_options):
+            self._marked.add(root)
+        self._removals.append((root, [h for _, h in pending]))
         self._settle()
 
     def teardown(self) -> None:
@@ -329,6 +353,7 @@ class CheckpointdIO(_Base):
         self._removals = [item for item in self._removals if item not in ready]
         for root, handles in ready:
             failed = [h.step for h in handles if h._error is not None]
+            self._deleted(root)
             if failed:
                 warnings.warn(
                     f"kept {root}: Lightning removed it, but a newer save (step "
@@ -336,15 +361,38 @@ class CheckpointdIO(_Base):
                     CheckpointWarning,
                     stacklevel=3,
                 )
+                if root in self._marked:
+                    self._marked.discard(root)
+                    unmark_root(root, self._storage_options)
                 continue
-            self._deleted(root)
             writer = self._writers.pop(root, None)
             if writer is not None:
                 writer.close()  # idle (its saves are done): quick, and its buffer is free again
             self._last_step.pop(root, None)
-            if self._deleter is None:
-                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="checkpointd-lightning")
-            self._deleting[root] = self._deleter.submit(self._delete, root)
+            self._marked.discard(root)
+            self._background(root, self._delete)
+
+    def _background(self, root: str, job: Any) -> None:
+        """Run ``job(root)`` on the deletion thread; ``_deleted(root)`` waits for it."""
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="checkpointd-lightning")
+        self._deleting[root] = self._deleter.submit(job, root)
+
+    def _resume_removals(self, root: str) -> None:
+        """The first time a folder of roots is touched: finish the removals a killed run
+        left there whose saves are committed (in the background); note the others."""
+        folder = root.rstrip("/").rpartition("/")[0] or "/"
+        if folder in self._scanned:
+            return
+        self._scanned.add(folder)
+        busy = {r for r, _ in self._removals} | set(self._deleting) | set(self._writers)
+        for found, removal in pending_removals(folder, self._storage_options):
+            if found in busy:
+                continue
+            self._marked.add(found)
+            if due(removal, self._storage_options):
+                self._marked.discard(found)
+                self._background(found, self._delete)
 
     def _deleted(self, root: str) -> None:
         """Wait until a background deletion of ``root`` (if any) is over; raise its error."""
@@ -353,18 +401,11 @@ class CheckpointdIO(_Base):
             future.result()
 
     def _delete(self, root: str) -> None:
-        """Delete the root; on the deletion thread."""
-        if "://" not in root:
-            if os.path.isdir(root) and not os.path.islink(root):
-                shutil.rmtree(root, ignore_errors=False)
-            elif os.path.lexists(root):
-                os.remove(root)
+        """Delete the root (removal.delete_root: manifests first); on the deletion thread."""
+        if "://" not in root and os.path.lexists(root) and not os.path.isdir(root):
+            os.remove(root)  # a file or a dangling link, not a root
             return
-        import fsspec
-
-        fs, target = fsspec.core.url_to_fs(root, **(self._storage_options or {}))
-        if fs.exists(target):
-            fs.rm(target, recursive=True)
+        remove_root(root, self._storage_options)
 
 
 def _step_of(checkpoint: Mapping[str, Any]) -> int:

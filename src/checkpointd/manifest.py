@@ -168,6 +168,8 @@ class Manifest(msgspec.Struct, frozen=True):
     format: str = FORMAT_NAME
     writer: str = ""
     """Random id of the writer instance that committed it ("" if unknown); see retention."""
+    lineage: str = ""
+    """The line of writer instances it continues ("": its ``writer``); see lineage.py."""
     specs: dict[str, SpecEntry] = msgspec.field(default_factory=dict)
     """Optional: how to rebuild components (``save(specs=...)``); absent in older checkpoints."""
     per_rank: dict[str, list[str]] = msgspec.field(default_factory=dict)

@@ -30,6 +30,7 @@ from checkpointd.errors import (
     RestoreMismatchError,
 )
 from checkpointd.fit import check_fits, check_restorable
+from checkpointd.lineage import note_resumed
 from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.reader import StepReader
 from checkpointd.stateful import component_state, dtensor_templates, load_component
@@ -87,7 +88,10 @@ def _newest_good(
     CorruptCheckpointError if every committed step was damaged.
     """
     if step is not None:
-        return attempt(step, catalog.read_manifest(store, step)), ()
+        manifest = catalog.read_manifest(store, step)
+        result = attempt(step, manifest)
+        note_resumed(store.url, step, manifest)
+        return result, ()
     skipped: list[SkippedStep] = []
 
     def skip(found: int, exc: CheckpointError) -> None:
@@ -99,6 +103,7 @@ def _newest_good(
         except CorruptCheckpointError as exc:
             skip(found, exc)
             continue
+        note_resumed(store.url, found, manifest)
         for bad, why in skipped:
             warnings.warn(
                 f"skipping step {bad} (damaged; fell back to step {found}): {why}",

@@ -15,7 +15,10 @@ committed less than a grace window ago (the longer of ``GRACE_SECONDS`` and
 twice its own last save interval), so a save another writer just reported
 durable stays loadable for at least that long. Each manifest records the
 random id of the writer instance that committed it (``Manifest.writer``); a
-manifest without one counts as another writer's.
+manifest without one counts as another writer's. A restarted job is the
+exception to the exception: a writer opened after this process restored a
+checkpoint of the root continues that checkpoint's lineage (lineage.py) and
+treats the lineage's checkpoints up to the restored step as its own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from checkpointd.catalog import committed as committed_manifests
 from checkpointd.catalog import step_path
 from checkpointd.errors import InvalidArgumentError, RetentionWarning, StorageError
 from checkpointd.layout import MANIFEST_NAME, step_dirname
+from checkpointd.lineage import lineage_of, resumed_from
 from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.storage import Store
 from checkpointd.tunables import GRACE_SECONDS
@@ -62,10 +66,38 @@ class WriterIdentity:
     """
 
     id: str = field(default_factory=lambda: secrets.token_hex(8))
+    lineage: str = ""
+    """The lineage its manifests record (lineage.py): its own id, or a resumed one's."""
+    inherited: int | None = None
+    """The step it resumed from: its lineage's checkpoints up to it count as its own."""
     last_commit: float | None = None
     """When this writer last committed (time.monotonic())."""
     interval: float | None = None
     """Seconds between its last two commits."""
+
+    def __post_init__(self) -> None:
+        self.lineage = self.lineage or self.id
+
+    @classmethod
+    def for_root(cls, url: str) -> WriterIdentity:
+        """A new identity for a writer of root ``url``: continuing the lineage of the
+        checkpoint this process restored from it, if any (lineage.py)."""
+        resumed = resumed_from(url)
+        if resumed is None:
+            return cls()
+        return cls(lineage=resumed.lineage, inherited=resumed.step)
+
+    def owns(self, step: int, manifest: Manifest, newest: Mapping[str, int]) -> bool:
+        """True if checkpoint ``step`` is this writer's to prune without a grace window:
+        its own, or its lineage's up to the inherited step from an instance that has
+        committed nothing after it (``newest``: each writer id's newest step)."""
+        if manifest.writer == self.id:
+            return True
+        if self.inherited is None or step > self.inherited:
+            return False
+        if lineage_of(manifest) != self.lineage:
+            return False
+        return newest.get(manifest.writer, step) <= self.inherited
 
     def note_commit(self, now: float) -> None:
         """Record a commit at ``now`` (monotonic seconds)."""
@@ -294,10 +326,13 @@ def _plan(
     plan = plan_retention(checkpoints, policy, protect=protect)
     if identity is not None and plan.delete:
         manifests = dict(found)
+        newest: dict[str, int] = {}
+        for step, manifest in found:
+            newest[manifest.writer] = max(step, newest.get(manifest.writer, step))
         foreign = {
             v.step: _committed_at(store, v.step, manifests[v.step])
             for v in plan.delete
-            if manifests[v.step].writer != identity.id
+            if not identity.owns(v.step, manifests[v.step], newest)
         }
         if foreign:
             plan = plan_retention(

@@ -96,7 +96,7 @@ class WriteService:
         self.group = group
         """The ranks that save together (None: this process alone); see distributed.py."""
         self.policy = policy
-        self.identity = WriterIdentity()  # recorded in its manifests; see retention
+        self.identity = WriterIdentity.for_root(store.url)  # in its manifests; see retention
         self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused
         self.max_pending = max_pending
         self.max_concurrency = max_concurrency

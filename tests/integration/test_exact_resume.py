@@ -218,3 +218,24 @@ def test_demo_resumes_exactly_where_it_stopped(tmp_path: Path) -> None:
     assert a.info.step == b.info.step == 260
     for name in ("model", "optimizer", "scheduler", "progress", "rng"):
         _assert_same(a.state[name], b.state[name], name)
+
+
+def test_demo_output_counts_epochs_from_1_and_only_reports_trained_epochs(
+    tmp_path: Path,
+) -> None:
+    def config(steps: int) -> DemoConfig:
+        return DemoConfig(root=str(tmp_path / "demo"), steps=steps, width=8, batch_size=4)
+
+    first: list[str] = []
+    run_demo(config(100), out=first.append)  # stops after the last batch of epoch 1
+    second: list[str] = []
+    run_demo(config(150), out=second.append)
+    assert "(in epoch 1: 100 of 100 batches done)" in second[0], second
+    done = [line.partition(",")[0] for line in second if " done, loss " in line]
+    assert done == ["epoch 2 done"], second  # epoch 1 was trained by the first run
+    third: list[str] = []
+    run_demo(config(60), out=third.append)  # from step 250 (mid epoch 3) to 310
+    assert "(in epoch 3: 50 of 100 batches done)" in third[0], third
+    assert [line.partition(",")[0] for line in third if " done, loss " in line] == [
+        "epoch 3 done"
+    ], third

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 import checkpointd
 from checkpointd import catalog
+from checkpointd.cli_format import size_text
 from checkpointd.layout import BLOBS_DIR, blob_path
-from checkpointd.storage import open_store
+from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 from tests.faults.helpers import same
 from tests.integration.test_cli import run
+from tests.integration.test_incremental import _stored_bytes
 
 BASE = {f"layer{i}.weight": torch.full((128, 128), float(i)) for i in range(3)}
 """Three 64 KiB tensors: blobs at the default INCREMENTAL_MIN_BYTES."""
@@ -79,3 +82,48 @@ def test_gc_keeps_shared_blobs_and_export_is_self_contained(
     from safetensors.torch import load_file
 
     assert same(load_file(target), _state(3)["model"])
+
+
+def _files_bytes(store: Store, step: int) -> int:
+    return sum(f.size for f in catalog.read_manifest(store, step).files)
+
+
+def test_verify_all_reports_bytes_read_with_shared_blobs_once(local_root: Root) -> None:
+    _populate(local_root)
+    store = open_store(local_root.url)
+    read = sum(_files_bytes(store, s) for s in (1, 2, 3)) + 6 * 65536  # 3 base + 3 adapters
+    shown = run(local_root, "verify", local_root.url, "--all").stdout
+    assert f"verified 3 checkpoint(s), {size_text(read)} read:" in shown
+    assert f"step 1: {len(catalog.read_manifest(store, 1).files)} files + 4 shared blobs, " in shown
+    assert "step 2: " in shown
+    assert "+ 4 shared blobs (3 checked before), " in shown
+    step3 = _files_bytes(store, 3) + 65536
+    assert f"(3 checked before), {size_text(step3)} read: ok" in shown
+
+
+def test_gc_rows_and_total_both_count_freed_bytes(local_root: Root) -> None:
+    _populate(local_root)
+    store = open_store(local_root.url)
+    frees = {s: _files_bytes(store, s) + 65536 for s in (1, 2)}  # own files + own adapter
+    before = _stored_bytes(store)
+    shown = run(local_root, "gc", local_root.url, "--keep-last", "1").stdout
+    for step, nbytes in frees.items():
+        assert re.search(rf"delete  step +{step}  frees {re.escape(size_text(nbytes))}\n", shown)
+    assert f"would free {size_text(sum(frees.values()))};" in shown
+    applied = run(local_root, "gc", local_root.url, "--keep-last", "1", "--apply").stdout
+    assert f"freed {size_text(sum(frees.values()))}" in applied
+    assert before - _stored_bytes(store) == sum(frees.values())
+
+
+def test_gc_names_shared_blobs_only_deleted_steps_use(local_root: Root) -> None:
+    with checkpointd.CheckpointWriter(local_root.url, incremental=True) as writer:
+        writer.save(1, {"model": dict(BASE)}).result()
+        writer.save(2, {"model": dict(BASE)}).result()
+        other = {k: v + 10 for k, v in BASE.items()}
+        writer.save(3, {"model": other}).result()
+    store = open_store(local_root.url)
+    shown = run(local_root, "gc", local_root.url, "--keep-last", "1").stdout
+    shared = 3 * 65536  # the base blobs: steps 1 and 2 use them, step 3 does not
+    assert f"shared blobs only deleted steps use  frees {size_text(shared)}" in shown
+    total = _files_bytes(store, 1) + _files_bytes(store, 2) + shared
+    assert f"would free {size_text(total)};" in shown

