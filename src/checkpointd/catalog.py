@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from checkpointd import tunables
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -23,7 +24,6 @@ from checkpointd.errors import (
 from checkpointd.layout import MANIFEST_NAME, parse_step_dirname, step_dirname
 from checkpointd.manifest import CheckpointInfo, Manifest, decode_manifest
 from checkpointd.storage import Store, open_store
-from checkpointd.tunables import MAX_MANIFEST_BYTES
 
 __all__ = [
     "CheckpointWarning",
@@ -64,7 +64,7 @@ def read_manifest(store: Store, step: int) -> Manifest:
         size = store.size(path)
     except StorageNotFoundError:
         raise CheckpointNotFoundError(f"step {step} is not committed under {store.url}") from None
-    if size > MAX_MANIFEST_BYTES:
+    if size > tunables.MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {size} bytes is too large for a manifest")
     try:
         data = store.read_bytes(path, 0, size)

@@ -27,10 +27,8 @@ from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.layout import MANIFEST_NAME, is_temp_name, step_dirname
 from checkpointd.shared import find_orphans
 from checkpointd.storage import PendingUpload, Store
-from checkpointd.tunables import GC_OLDER_THAN
 
 __all__ = [
-    "DEFAULT_OLDER_THAN",
     "Leftover",
     "LeftoverScan",
     "find_leftovers",
@@ -38,9 +36,6 @@ __all__ = [
     "scan_leftovers",
     "unreferenced_files",
 ]
-
-DEFAULT_OLDER_THAN = GC_OLDER_THAN
-"""A suggested ``older_than`` for tools (tunables.GC_OLDER_THAN)."""
 
 LeftoverKind = Literal["uncommitted", "temp", "unreferenced", "upload", "blob", "pin"]
 

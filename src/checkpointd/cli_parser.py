@@ -42,7 +42,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
-    from checkpointd.cleanup import DEFAULT_OLDER_THAN
+    from checkpointd import tunables
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -121,11 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument(
         "--older-than",
         type=float,
-        default=DEFAULT_OLDER_THAN,
+        default=tunables.GC_OLDER_THAN,
         metavar="SECONDS",
         help=(
             "leftovers untouched this long count as abandoned (default "
-            f"{DEFAULT_OLDER_THAN:g}); a live save's files are only dated by their age, "
+            f"{tunables.GC_OLDER_THAN:g}); a live save's files are only dated by their age, "
             "so use small values only when no writer is running"
         ),
     )

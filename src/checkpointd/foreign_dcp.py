@@ -16,8 +16,8 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.tunables import MAX_JSON_DEPTH
 
 __all__ = ["DCP_METADATA", "EMPTY_MAPPINGS", "DCPUnpickler", "brief", "empty_mappings", "read_dcp"]
 
@@ -236,7 +236,7 @@ def _put_back_empty_mappings(state: dict[str, Any], paths: Any, where: str) -> N
     def plain(path: Any) -> bool:
         return (
             isinstance(path, list)
-            and 0 < len(path) <= MAX_JSON_DEPTH
+            and 0 < len(path) <= tunables.MAX_JSON_DEPTH
             and isinstance(path[0], str)
             and all(isinstance(p, str) or (type(p) is int and 0 <= p < _MAX_INDEX) for p in path)
         )

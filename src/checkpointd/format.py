@@ -19,11 +19,10 @@ import msgspec
 import numpy as np
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
-from checkpointd.tunables import MAX_TREE_DEPTH
 
 __all__ = [
-    "MAX_TREE_DEPTH",
     "BigInt",
     "DTypeNode",
     "NumpyScalarNode",
@@ -227,7 +226,7 @@ def decode_tree(
         raise
     except RecursionError:
         raise CorruptCheckpointError(
-            f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+            f"{where}: state tree nested deeper than {tunables.MAX_TREE_DEPTH} containers"
         ) from None
     except (msgspec.DecodeError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from exc
@@ -263,7 +262,7 @@ def _state_dict(payload: Any, where: str) -> OrderedDict[Any, Any]:
 
 
 def _check_decoded(tree: Any, where: str) -> None:
-    """Refuse what capture never writes: containers nested deeper than MAX_TREE_DEPTH,
+    """Refuse what capture never writes: containers nested deeper than tunables.MAX_TREE_DEPTH,
     map keys other than str and int, and values of any other type (msgpack timestamps).
 
     Iterative, so a deep tree cannot exhaust the stack here.
@@ -273,9 +272,9 @@ def _check_decoded(tree: Any, where: str) -> None:
     containers, leaves = _CONTAINER_TYPES, _LEAF_TYPES
     while stack:
         value, level = stack.pop()
-        if level > MAX_TREE_DEPTH:
+        if level > tunables.MAX_TREE_DEPTH:
             raise CorruptCheckpointError(
-                f"{where}: state tree nested deeper than {MAX_TREE_DEPTH} containers"
+                f"{where}: state tree nested deeper than {tunables.MAX_TREE_DEPTH} containers"
             )
         if isinstance(value, dict):
             if not {type(key) for key in value} <= _KEY_TYPES:

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError, UnsupportedValueError
 from checkpointd.layout import HEADER_ALIGN
-from checkpointd.tunables import MAX_HEADER_BYTES
 
 __all__ = [
     "DTYPES_BY_CODE",
@@ -100,7 +100,7 @@ def header_length(prefix: bytes, file_size: int, *, where: str) -> int:
     if len(prefix) < 8 or file_size < 8:
         raise CorruptCheckpointError(f"{where}: too short for a safetensors file")
     length = int.from_bytes(prefix[:8], "little")
-    if length > MAX_HEADER_BYTES or length > file_size - 8:
+    if length > tunables.MAX_HEADER_BYTES or length > file_size - 8:
         raise CorruptCheckpointError(
             f"{where}: header length {length} does not fit a file of {file_size} bytes"
         )

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from checkpointd import tunables
 from checkpointd.checksum import crc32c
 from checkpointd.errors import (
     CorruptCheckpointError,
@@ -34,12 +35,9 @@ from checkpointd.layout import (
     is_safe_file_name,
     step_dirname,
 )
-from checkpointd.tunables import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES
 
 __all__ = [
     "MANIFEST_NAME",
-    "MAX_JSON_DEPTH",
-    "MAX_MANIFEST_BYTES",
     "SCHEMA_VERSION",
     "BlobEntry",
     "BlobRef",
@@ -203,7 +201,7 @@ def schema_for(components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = 
 
 
 def too_deep(value: Any) -> bool:
-    """True if containers nest more than MAX_JSON_DEPTH levels in ``value``.
+    """True if containers nest more than tunables.MAX_JSON_DEPTH levels in ``value``.
 
     Iterative, so safe on any depth; for checking metrics/metadata at save().
     """
@@ -216,14 +214,14 @@ def too_deep(value: Any) -> bool:
             children = item
         else:
             continue
-        if depth > MAX_JSON_DEPTH:
+        if depth > tunables.MAX_JSON_DEPTH:
             return True
         stack.extend((child, depth + 1) for child in children)
     return False
 
 
 def _deep_field(manifest: Manifest) -> str | None:
-    """The name of the first free-form field nested deeper than MAX_JSON_DEPTH, if any."""
+    """The name of the first free-form field nested deeper than tunables.MAX_JSON_DEPTH, if any."""
     if any(too_deep([s.args, s.kwargs]) for s in manifest.specs.values()):
         return "specs"
     return next((f for f in ("metrics", "metadata") if too_deep(getattr(manifest, f))), None)
@@ -233,11 +231,11 @@ def encode_manifest(manifest: Manifest) -> bytes:
     """Encode ``manifest`` as JSON with its trailing CRC32C member.
 
     Raises UnsupportedValueError for metrics or metadata nested deeper than
-    MAX_JSON_DEPTH, which no reader would accept.
+    tunables.MAX_JSON_DEPTH, which no reader would accept.
     """
     if (field := _deep_field(manifest)) is not None:
         raise UnsupportedValueError(
-            f"{field} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it to save"
+            f"{field} is nested deeper than {tunables.MAX_JSON_DEPTH} levels; flatten it to save"
         )
     body = msgspec.json.encode(manifest)
     return body[:-1] + b',"manifest_crc32c":"%08x"}\n' % crc32c(body)
@@ -250,7 +248,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     JSON nested too deep included) and IncompatibleCheckpointError for a newer
     schema. Never evaluates anything from the payload.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
+    if len(data) > tunables.MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too large for a manifest")
     match = _TAIL.search(data)
     if match is None:
@@ -275,7 +273,9 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     # Versions 1 and 2 decode as they are (2 only added fields with defaults).
     manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     if (field := _deep_field(manifest)) is not None:
-        raise CorruptCheckpointError(f"{where}: {field} is nested deeper than {MAX_JSON_DEPTH}")
+        raise CorruptCheckpointError(
+            f"{where}: {field} is nested deeper than {tunables.MAX_JSON_DEPTH}"
+        )
     _check_consistency(manifest, where)
     return manifest
 

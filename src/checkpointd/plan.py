@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
 
+from checkpointd import tunables
 from checkpointd.capture import CapturedComponent, StagingBuffer
 from checkpointd.checksum import BytesLike, crc32c
 from checkpointd.format import encode_tree
@@ -36,7 +37,6 @@ from checkpointd.layout import (
     tree_file_name,
 )
 from checkpointd.manifest import BlobEntry, ComponentEntry, ShardedTensor, ShardEntry, SpecEntry
-from checkpointd.tunables import DIRECT_MIN_BYTES, SHARD_BLOCK_BYTES
 
 __all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_shards", "plan_snapshot"]
 
@@ -130,7 +130,7 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
     """The files that store ``snapshot``: per component a tree file and, if it has
     tensors, a tensor file, named for the attempt ``token`` (random if None).
 
-    A data region of DIRECT_MIN_BYTES or more starts DIRECT_ALIGN-aligned in its
+    A data region of tunables.DIRECT_MIN_BYTES or more starts DIRECT_ALIGN-aligned in its
     file, so it can be written with direct I/O. Event loop or any thread.
     """
     token = secrets.token_hex(4) if token is None else token
@@ -144,7 +144,7 @@ def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
         if component.entries:
             tensors = tensor_file_name(name, token)
             tensor_names.append(tensors)
-            align = DIRECT_ALIGN if component.nbytes >= DIRECT_MIN_BYTES else HEADER_ALIGN
+            align = DIRECT_ALIGN if component.nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
             header = encode_safetensors_header(component.entries, align=align)
             data = snapshot.buffer.view(component.offset, component.nbytes)
             files.append(WriteFile(tensors, [header, data], name))
@@ -174,7 +174,7 @@ def plan_shards(
     if not component.shard_entries:
         return sharded
     name = shard_file_name(component.name, token, rank)
-    align = DIRECT_ALIGN if component.shard_nbytes >= DIRECT_MIN_BYTES else HEADER_ALIGN
+    align = DIRECT_ALIGN if component.shard_nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
     header = encode_safetensors_header(component.shard_entries, align=align)
     data = buffer.view(component.shard_offset, component.shard_nbytes)
     by_name = {s.name: s for s in component.shards}
@@ -182,8 +182,8 @@ def plan_shards(
         shard = by_name[entry.name]
         region = data[entry.begin : entry.end]
         blocks = [
-            crc32c(region[at : at + SHARD_BLOCK_BYTES])
-            for at in range(0, len(region), SHARD_BLOCK_BYTES)
+            crc32c(region[at : at + tunables.SHARD_BLOCK_BYTES])
+            for at in range(0, len(region), tunables.SHARD_BLOCK_BYTES)
         ]
         sharded[entry.name].shards.append(
             ShardEntry(
@@ -191,7 +191,7 @@ def plan_shards(
                 list(shard.offsets),
                 list(shard.local_shape),
                 len(header) + entry.begin,
-                SHARD_BLOCK_BYTES,
+                tunables.SHARD_BLOCK_BYTES,
                 blocks,
             )
         )

@@ -29,12 +29,11 @@ from typing import Any
 
 import msgspec
 
-from checkpointd import catalog
+from checkpointd import catalog, tunables
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.layout import BLOBS_DIR, PINS_DIR, parse_step_dirname, step_dirname
 from checkpointd.retention import delete_checkpoints
 from checkpointd.storage import Store, open_store
-from checkpointd.tunables import MAX_MANIFEST_BYTES
 
 __all__ = [
     "MARKER_NAME",
@@ -91,7 +90,9 @@ def read_removal(store: Store) -> Removal | None:
     try:
         if not store.exists(MARKER_NAME):
             return None
-        data = store.read_bytes(MARKER_NAME, 0, min(store.size(MARKER_NAME), MAX_MANIFEST_BYTES))
+        data = store.read_bytes(
+            MARKER_NAME, 0, min(store.size(MARKER_NAME), tunables.MAX_MANIFEST_BYTES)
+        )
     except StorageError:
         return None
     try:

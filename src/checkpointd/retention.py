@@ -11,7 +11,7 @@ instance, a trainer and a side job) may save into one root. Steps are shared:
 two saves of one step race and exactly one commits. Each writer applies its
 own policy to every committed checkpoint in the root, whoever wrote it, with
 one exception: it never deletes a checkpoint that another writer instance
-committed less than a grace window ago (the longer of ``GRACE_SECONDS`` and
+committed less than a grace window ago (the longer of ``tunables.GRACE_SECONDS`` and
 twice its own last save interval), so a save another writer just reported
 durable stays loadable for at least that long. Each manifest records the
 random id of the writer instance that committed it (``Manifest.writer``); a
@@ -43,10 +43,8 @@ from checkpointd.layout import MANIFEST_NAME, step_dirname
 from checkpointd.lineage import lineage_of, resumed_from
 from checkpointd.manifest import CheckpointInfo, Manifest
 from checkpointd.storage import Store
-from checkpointd.tunables import GRACE_SECONDS
 
 __all__ = [
-    "GRACE_SECONDS",
     "RetentionPlan",
     "RetentionPolicy",
     "RetentionWarning",
@@ -106,7 +104,7 @@ class WriterIdentity:
         self.last_commit = now
 
     def grace(self) -> float:
-        """How long another writer's checkpoint is kept after its commit: GRACE_SECONDS or
+        """How long another writer's checkpoint is kept after its commit: tunables.GRACE_SECONDS or
         twice this writer's last save interval, whichever is longer."""
         return max(tunables.GRACE_SECONDS, 2 * (self.interval or 0.0))
 

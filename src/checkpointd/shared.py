@@ -26,7 +26,6 @@ from checkpointd.errors import CheckpointError, CheckpointNotFoundError, Storage
 from checkpointd.layout import BLOBS_DIR, PINS_DIR, blob_path, is_blob_name, step_dirname
 from checkpointd.manifest import BlobEntry, Manifest
 from checkpointd.storage import Store
-from checkpointd.tunables import MAX_MANIFEST_BYTES
 
 __all__ = [
     "Orphan",
@@ -112,7 +111,7 @@ def _pins(store: Store) -> list[tuple[str, float | None, Pin | None]]:
         path = f"{PINS_DIR}/{name}"
         try:
             modified = store.modified(path) if store.capabilities.modification_times else None
-            data = store.read_bytes(path, 0, min(store.size(path), MAX_MANIFEST_BYTES))
+            data = store.read_bytes(path, 0, min(store.size(path), tunables.MAX_MANIFEST_BYTES))
         except StorageError:
             continue  # removed since the listing: its save is published or gone
         try:

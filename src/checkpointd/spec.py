@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
+from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, SpecChangedWarning, UnsupportedValueError
 from checkpointd.manifest import SpecEntry
-from checkpointd.tunables import MAX_JSON_DEPTH
 
 __all__ = ["MAX_SPEC_BYTES", "Spec", "check_import_path", "record", "spec", "warn_changed"]
 
@@ -104,8 +104,10 @@ def _plain(value: Any, where: str) -> Any:
     stack: list[tuple[Any, str, Any, Any, int]] = [(value, where, root, 0, 1)]
     while stack:
         item, path, parent, key, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise UnsupportedValueError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+        if depth > tunables.MAX_JSON_DEPTH:
+            raise UnsupportedValueError(
+                f"{path}: nested deeper than {tunables.MAX_JSON_DEPTH} levels"
+            )
         if item is None or isinstance(item, bool | str):
             if isinstance(item, str) and not _utf8(item):
                 raise UnsupportedValueError(f"{path}: string is not valid UTF-8")

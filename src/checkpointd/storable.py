@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from checkpointd import tree as trees
+from checkpointd import tunables
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format import (
     BigInt,
@@ -30,7 +31,6 @@ from checkpointd.format import (
 )
 from checkpointd.header import check_storable, shape_fits
 from checkpointd.shards import is_dtensor, local_shard
-from checkpointd.tunables import MAX_TREE_DEPTH
 
 __all__ = ["CapturedShard", "Source", "Walker"]
 
@@ -117,11 +117,11 @@ class Walker:
         path: tuple[str, ...],
         level: int,
     ) -> Any:
-        if level > MAX_TREE_DEPTH:
+        if level > tunables.MAX_TREE_DEPTH:
             prefix = self._where(path[:8]) + ("/..." if len(path) > 8 else "")
             raise UnsupportedValueError(
                 f"{prefix}: the state is nested deeper than "
-                f"{MAX_TREE_DEPTH} containers (dicts, lists, tuples), the most a checkpoint "
+                f"{tunables.MAX_TREE_DEPTH} containers (dicts, lists, tuples), the most a checkpoint "
                 "holds; flatten it or keep deep data in a tensor"
             )
         if id(value) in self._active:

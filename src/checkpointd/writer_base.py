@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-from checkpointd import lifecycle
+from checkpointd import lifecycle, tunables
 from checkpointd.capture import StagingBuffer, capture
 from checkpointd.distributed import LOCAL, Group, split_state
 from checkpointd.errors import (
@@ -42,12 +42,6 @@ from checkpointd.retention import RetentionPolicy
 from checkpointd.service import NewerSteps, WriteService
 from checkpointd.staging import STAGING_MODES, Stager, Staging, StagingMode
 from checkpointd.storage import LocalStore, open_store
-from checkpointd.tunables import (
-    DEFAULT_MAX_CONCURRENCY,
-    DEFAULT_MAX_PENDING,
-    MAX_JSON_DEPTH,
-    MAX_METADATA_BYTES,
-)
 
 __all__ = ["WriterBase"]
 
@@ -109,8 +103,8 @@ class WriterBase:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: Literal["min", "max"] = "min",
-        max_pending: int = DEFAULT_MAX_PENDING,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        max_pending: int = tunables.DEFAULT_MAX_PENDING,
+        max_concurrency: int = tunables.DEFAULT_MAX_CONCURRENCY,
         background_niceness: int = 0,
         newer_steps: NewerSteps = "error",
         retention: RetentionPolicy | None = None,
@@ -208,10 +202,10 @@ class WriterBase:
         self._check_step_order(step)
         plain_metrics, metrics_bytes = _plain_json(metrics, "metrics")
         plain_metadata, metadata_bytes = _plain_json(metadata, "metadata")
-        if metrics_bytes + metadata_bytes > MAX_METADATA_BYTES:
+        if metrics_bytes + metadata_bytes > tunables.MAX_METADATA_BYTES:
             raise UnsupportedValueError(
                 f"metrics and metadata of step {step} encode to {metrics_bytes + metadata_bytes} "
-                f"bytes; at most {MAX_METADATA_BYTES} fit in a manifest (readers refuse "
+                f"bytes; at most {tunables.MAX_METADATA_BYTES} fit in a manifest (readers refuse "
                 "larger ones): put large values in the state instead"
             )
         return plain_metrics, plain_metadata
@@ -428,10 +422,10 @@ def _plain_json(value: Mapping[str, Any] | None, what: str) -> tuple[dict[str, A
         raise UnsupportedValueError(f"{what} must be JSON-able: {exc}") from exc
     except RecursionError:
         raise UnsupportedValueError(
-            f"{what} nests deeper than {MAX_JSON_DEPTH} levels: readers refuse such a manifest"
+            f"{what} nests deeper than {tunables.MAX_JSON_DEPTH} levels: readers refuse such a manifest"
         ) from None
     if too_deep(plain):
         raise UnsupportedValueError(
-            f"{what} nests deeper than {MAX_JSON_DEPTH} levels: readers refuse such a manifest"
+            f"{what} nests deeper than {tunables.MAX_JSON_DEPTH} levels: readers refuse such a manifest"
         )
     return plain, len(encoded)

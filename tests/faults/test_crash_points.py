@@ -5,7 +5,7 @@ the N-th mutating system call, for every N; with ``power`` the crash is also a
 power loss that drops every byte and folder change not fsynced. Afterwards no
 torn checkpoint is visible, the previous checkpoint (or the new one) loads
 bit-exact, and a save that reported success survives. ``direct`` saves a tensor
-large enough (>= DIRECT_MIN_BYTES) to go through the O_DIRECT path (directio.py).
+large enough (>= tunables.DIRECT_MIN_BYTES) to go through the O_DIRECT path (directio.py).
 ``incremental`` saves both steps with ``incremental=True`` and a frozen tensor
 they share: the crash points then cover the pin, the blob writes and the
 reference-aware deletion of step 1's own blobs by retention.
@@ -23,12 +23,12 @@ import torch
 
 import checkpointd
 import checkpointd.retention
-from checkpointd.storage.directio import DIRECT_MIN_BYTES
+from checkpointd import tunables
 from tests.faults.helpers import check_intact, make_state
 from tests.support.faults import FaultyOS, SimulatedCrash
 
-DIRECT_SIZE = DIRECT_MIN_BYTES // 16
-"""make_state's size whose (size, 4) float32 tensor is DIRECT_MIN_BYTES: written with O_DIRECT."""
+DIRECT_SIZE = tunables.DIRECT_MIN_BYTES // 16
+"""make_state's size whose (size, 4) float32 tensor is tunables.DIRECT_MIN_BYTES: written with O_DIRECT."""
 
 
 def _state(step: int, size: int, incremental: bool) -> dict[str, Any]:

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.catalog import CheckpointWarning
 from checkpointd.checksum import crc32c
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
 from checkpointd.manifest import (
-    MAX_JSON_DEPTH,
     Manifest,
     decode_manifest,
     encode_manifest,
@@ -61,7 +61,8 @@ def _root(tmp_path: Path, field: str = "metadata", depth: int = 5000) -> str:
 
 
 @pytest.mark.parametrize(
-    ("field", "depth"), [("metadata", 5000), ("metrics", 5000), ("metadata", MAX_JSON_DEPTH + 1)]
+    ("field", "depth"),
+    [("metadata", 5000), ("metrics", 5000), ("metadata", tunables.MAX_JSON_DEPTH + 1)],
 )
 def test_decode_refuses_deep_json_as_corrupt(field: str, depth: int) -> None:
     manifest = Manifest(1, HOSTILE, _now(), "x", {}, [])
@@ -72,13 +73,13 @@ def test_decode_refuses_deep_json_as_corrupt(field: str, depth: int) -> None:
 def test_decode_accepts_json_at_the_depth_limit() -> None:
     manifest = Manifest(1, HOSTILE, _now(), "x", {}, [])
     # The field's own dict is one level, the placeholder's value the rest.
-    decoded = decode_manifest(_hostile_bytes(manifest, "metadata", MAX_JSON_DEPTH - 1))
+    decoded = decode_manifest(_hostile_bytes(manifest, "metadata", tunables.MAX_JSON_DEPTH - 1))
     assert "x" in decoded.metadata
 
 
 def test_encode_refuses_metadata_it_could_not_read_back() -> None:
     deep: dict[str, object] = {}
-    for _ in range(MAX_JSON_DEPTH + 1):
+    for _ in range(tunables.MAX_JSON_DEPTH + 1):
         deep = {"a": deep}
     with pytest.raises(UnsupportedValueError, match="nested"):
         encode_manifest(Manifest(1, 1, _now(), "x", {}, [], metadata=deep))

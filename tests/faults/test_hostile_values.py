@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format import MAX_TREE_DEPTH, decode_tree
+from checkpointd.format import decode_tree
 from checkpointd.header import parse_safetensors_header
 from tests.faults.test_hostile_input import _replace_file, _save
 from tests.support.files import component_file
@@ -58,8 +59,8 @@ HOSTILE_TREES: dict[str, bytes] = {
     "arrays-100k-deep": b"\x91" * 100_000 + b"\xc0",
     "maps-100k-deep": b"\x81\xa1k" * 100_000 + b"\xc0",
     "tuples-3000-deep": _nested_tuples(3000),
-    "arrays-one-over-the-limit": b"\x91" * (MAX_TREE_DEPTH + 1) + b"\xc0",
-    "tuples-one-over-the-limit": _nested_tuples(MAX_TREE_DEPTH + 1),
+    "arrays-one-over-the-limit": b"\x91" * (tunables.MAX_TREE_DEPTH + 1) + b"\xc0",
+    "tuples-one-over-the-limit": _nested_tuples(tunables.MAX_TREE_DEPTH + 1),
     "npscalar-empty-payload": _pack(Ext(7, b"")),
     "npscalar-empty-raw": _npscalar("<f8", b""),
     "npscalar-short-raw": _npscalar("<f8", b"\x00" * 3),
@@ -199,7 +200,7 @@ def test_decode_tree_random_structures_only_raise_corrupt(tree: Any) -> None:
 
 @_PROPERTY
 @given(
-    st.integers(0, 3 * MAX_TREE_DEPTH).flatmap(
+    st.integers(0, 3 * tunables.MAX_TREE_DEPTH).flatmap(
         lambda n: st.lists(
             st.sampled_from(["array", "map", "tuple", "state"]), min_size=n, max_size=n
         )
@@ -220,8 +221,8 @@ def test_decode_tree_refuses_exactly_the_trees_beyond_the_limit(kinds: list[str]
             items = b"\x92\x91\x92\xa1k" + data + b"\x90"
             data = _ext_header(5, len(items)) + items
             deepest = max(deepest, len(kinds) - i + 1)
-    if deepest > MAX_TREE_DEPTH:
-        with pytest.raises(CorruptCheckpointError, match=f"deeper than {MAX_TREE_DEPTH}"):
+    if deepest > tunables.MAX_TREE_DEPTH:
+        with pytest.raises(CorruptCheckpointError, match=f"deeper than {tunables.MAX_TREE_DEPTH}"):
             decode_tree(data, {}, where="fuzz")
     else:
         decode_tree(data, {}, where="fuzz")

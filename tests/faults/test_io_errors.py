@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.errors import StorageError, StorageFullError, StoragePermissionError
-from checkpointd.storage.directio import DIRECT_MIN_BYTES
 from tests.faults.helpers import check_intact, make_state
 from tests.support.faults import ErrnoRule, FaultyOS, temp_files, tree_files
 
@@ -123,7 +123,9 @@ def test_rlimit_fsize_gives_storage_full(tmp_path: Path) -> None:
     assert float(checkpointd.load(root).state["w"][0]) == 3.0
 
 
-DIRECT_SIZE = DIRECT_MIN_BYTES // 16  # make_state's (size, 4) float32 tensor: O_DIRECT-sized
+DIRECT_SIZE = (
+    tunables.DIRECT_MIN_BYTES // 16
+)  # make_state's (size, 4) float32 tensor: O_DIRECT-sized
 
 
 @pytest.mark.parametrize(

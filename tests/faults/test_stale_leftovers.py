@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import checkpointd
-from checkpointd.cleanup import DEFAULT_OLDER_THAN
+from checkpointd import tunables
 from checkpointd.manifest import MANIFEST_NAME
 from tests.faults.helpers import check_intact, make_state
 
@@ -74,7 +74,7 @@ def test_recommit_removes_old_leftovers_and_spares_young_ones(tmp_path: Path) ->
     }
     for name, size in stale.items():
         (folder / name).write_bytes(b"s" * size)
-        _age(folder / name, DEFAULT_OLDER_THAN + 60)
+        _age(folder / name, tunables.GC_OLDER_THAN + 60)
     young = "opt.cafebabe.tree.msgpack"  # may belong to a live writer that is about to lose
     (folder / young).write_bytes(b"y" * 10)
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.errors import UnsupportedValueError
-from checkpointd.format import MAX_TREE_DEPTH
 
 
 def _round_trip(tmp_path: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -207,22 +207,24 @@ def _nested(levels: int) -> list[Any]:
 
 
 def test_a_tree_at_the_depth_limit_round_trips(tmp_path: Path) -> None:
-    loaded = _round_trip(tmp_path, {"c": _nested(MAX_TREE_DEPTH)})["c"]
-    for _ in range(MAX_TREE_DEPTH - 1):
+    loaded = _round_trip(tmp_path, {"c": _nested(tunables.MAX_TREE_DEPTH)})["c"]
+    for _ in range(tunables.MAX_TREE_DEPTH - 1):
         loaded = loaded[0]
     assert torch.equal(loaded[0], torch.ones(2))
 
 
-@pytest.mark.parametrize("levels", [MAX_TREE_DEPTH + 1, 400, 5000])
+@pytest.mark.parametrize("levels", [tunables.MAX_TREE_DEPTH + 1, 400, 5000])
 def test_a_deeper_tree_is_refused_at_save_with_the_limit(tmp_path: Path, levels: int) -> None:
-    _refused(tmp_path, {"c": _nested(levels)}, rf"c/0/0/0/.*: .*deeper than {MAX_TREE_DEPTH}")
+    _refused(
+        tmp_path, {"c": _nested(levels)}, rf"c/0/0/0/.*: .*deeper than {tunables.MAX_TREE_DEPTH}"
+    )
 
 
 def test_depth_counts_tuples(tmp_path: Path) -> None:
     deep: Any = ()
-    for _ in range(MAX_TREE_DEPTH):
+    for _ in range(tunables.MAX_TREE_DEPTH):
         deep = (deep,)
-    _refused(tmp_path, {"c": {"t": deep}}, f"deeper than {MAX_TREE_DEPTH}")
+    _refused(tmp_path, {"c": {"t": deep}}, f"deeper than {tunables.MAX_TREE_DEPTH}")
 
 
 def _module_state_at(levels: int) -> list[Any]:
@@ -236,11 +238,13 @@ def _module_state_at(levels: int) -> list[Any]:
 
 
 def test_module_metadata_counts_towards_the_depth(tmp_path: Path) -> None:
-    loaded = _round_trip(tmp_path, {"c": _module_state_at(MAX_TREE_DEPTH)})["c"]
-    for _ in range(MAX_TREE_DEPTH - 3):
+    loaded = _round_trip(tmp_path, {"c": _module_state_at(tunables.MAX_TREE_DEPTH)})["c"]
+    for _ in range(tunables.MAX_TREE_DEPTH - 3):
         loaded = loaded[0]
     assert loaded._metadata == {"": {"version": 1}}
-    _refused(tmp_path / "deeper", {"c": _module_state_at(MAX_TREE_DEPTH + 1)}, "deeper than")
+    _refused(
+        tmp_path / "deeper", {"c": _module_state_at(tunables.MAX_TREE_DEPTH + 1)}, "deeper than"
+    )
 
 
 # -- other values that passed save() and failed (or lost data) in the background ---------

@@ -11,9 +11,10 @@ import safetensors
 import torch
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.capture import StagingBuffer
 from checkpointd.storage import LocalStore
-from checkpointd.storage.directio import DIRECT_ALIGN, DIRECT_MIN_BYTES, address, write_direct
+from checkpointd.storage.directio import DIRECT_ALIGN, address, write_direct
 from tests.support.files import component_file
 
 
@@ -28,10 +29,10 @@ def _aligned(nbytes: int, skew: int = 0) -> memoryview:
 @pytest.mark.parametrize(
     ("nbytes", "skew", "position", "expect_direct"),
     [
-        (DIRECT_MIN_BYTES + 100, 0, 0, True),  # aligned prefix direct, tail returned
-        (DIRECT_MIN_BYTES, 8, 0, False),  # misaligned address
-        (DIRECT_MIN_BYTES, 0, 4, False),  # misaligned file position
-        (DIRECT_MIN_BYTES - DIRECT_ALIGN, 0, 0, False),  # too small to bother
+        (tunables.DIRECT_MIN_BYTES + 100, 0, 0, True),  # aligned prefix direct, tail returned
+        (tunables.DIRECT_MIN_BYTES, 8, 0, False),  # misaligned address
+        (tunables.DIRECT_MIN_BYTES, 0, 4, False),  # misaligned file position
+        (tunables.DIRECT_MIN_BYTES - DIRECT_ALIGN, 0, 0, False),  # too small to bother
     ],
 )
 def test_write_direct_leaves_exact_bytes(
@@ -60,7 +61,7 @@ def test_write_direct_leaves_exact_bytes(
 def test_local_sink_writes_large_views_exactly(tmp_path: Path) -> None:
     store = LocalStore(str(tmp_path))
     header = b"h" * DIRECT_ALIGN
-    data = _aligned(3 * DIRECT_MIN_BYTES + 12345)
+    data = _aligned(3 * tunables.DIRECT_MIN_BYTES + 12345)
     sink = store.open_file("x.bin")
     sink.write(header)
     sink.write(data)
@@ -77,7 +78,7 @@ def test_staging_arena_is_block_aligned() -> None:
 
 def test_large_checkpoint_round_trips_and_stays_safetensors(tmp_path: Path) -> None:
     state = {
-        "w": torch.randn(3 * DIRECT_MIN_BYTES // 4 + 7),
+        "w": torch.randn(3 * tunables.DIRECT_MIN_BYTES // 4 + 7),
         "b": torch.arange(1000, dtype=torch.int16),
         "e": torch.randn(0),
     }

@@ -89,8 +89,22 @@ def test_longest_component_name_gives_safe_file_names() -> None:
 
 def test_direct_io_alignment_has_one_home() -> None:
     assert directio.DIRECT_ALIGN is layout.DIRECT_ALIGN
-    assert directio.DIRECT_MIN_BYTES is tunables.DIRECT_MIN_BYTES
     assert layout.DIRECT_ALIGN % layout.HEADER_ALIGN == 0
+
+
+def test_tunables_are_read_one_way_live() -> None:
+    """Every module reads a tunable as ``tunables.X`` at the moment it needs it, so a
+    change (a test's, a user's) takes everywhere; none copies one at import time."""
+    names = {n for n in vars(tunables) if n.isupper()}
+    src = Path(checkpointd.__file__).parent
+    for path in sorted(src.rglob("*.py")):
+        if path.name == "tunables.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.endswith("tunables"), (path, node.lineno)
+                assert not {a.name for a in node.names} & names, (path, node.lineno)
 
 
 def test_every_tunable_is_documented() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd import layout
+from checkpointd import layout, tunables
 from checkpointd.capture import StagingBuffer, capture
 from checkpointd.catalog import read_manifest
 from checkpointd.commit import commit_plan
@@ -22,12 +22,11 @@ from checkpointd.plan import SavePlan, Snapshot, WriteFile, plan_snapshot
 from checkpointd.restore import load
 from checkpointd.retention import WriterIdentity
 from checkpointd.storage import LocalStore
-from checkpointd.tunables import DIRECT_MIN_BYTES
 
 
 def _snapshot(step: int = 1) -> Snapshot:
     state = {
-        "big": {"w": torch.ones(DIRECT_MIN_BYTES // 4, dtype=torch.float32)},
+        "big": {"w": torch.ones(tunables.DIRECT_MIN_BYTES // 4, dtype=torch.float32)},
         "small": {"b": torch.arange(3), "lr": 0.1},
         "meta": {"epoch": 2},
     }

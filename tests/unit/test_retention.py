@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointd import tunables
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.retention import (
-    GRACE_SECONDS,
     RetentionPolicy,
     WriterIdentity,
     plan_retention,
@@ -140,13 +140,13 @@ def test_another_writers_checkpoint_is_kept_only_within_the_grace_window() -> No
 def test_grace_is_ten_minutes_or_twice_the_writers_save_interval() -> None:
     identity = WriterIdentity()
     assert identity.id != WriterIdentity().id
-    assert identity.grace() == GRACE_SECONDS == 600.0
+    assert identity.grace() == tunables.GRACE_SECONDS == 600.0
     identity.note_commit(1_000.0)
-    assert identity.grace() == GRACE_SECONDS
+    assert identity.grace() == tunables.GRACE_SECONDS
     identity.note_commit(1_000.0 + 2_000)
     assert identity.grace() == 4_000
     identity.note_commit(3_000.0 + 10)
-    assert identity.grace() == GRACE_SECONDS
+    assert identity.grace() == tunables.GRACE_SECONDS
 
 
 @pytest.mark.parametrize("missing", [None, "n/a", True, math.nan])

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import CheckpointExistsError, CheckpointWriter, StorageError
-from checkpointd.manifest import MAX_MANIFEST_BYTES
+from checkpointd import CheckpointExistsError, CheckpointWriter, StorageError, tunables
 from checkpointd.storage import LocalStore
 from tests.conftest import Root
 from tests.support.gates import hold_local_writes
@@ -178,12 +177,12 @@ class _Counting:
 
 def test_metadata_too_large_for_a_manifest_is_refused_before_capture(tmp_path: Path) -> None:
     counting = _Counting()
-    huge = {"blob": "x" * (MAX_MANIFEST_BYTES + 1)}
+    huge = {"blob": "x" * (tunables.MAX_MANIFEST_BYTES + 1)}
     with CheckpointWriter(str(tmp_path)) as writer:
         with pytest.raises(checkpointd.UnsupportedValueError, match="fit in a manifest"):
             writer.save(1, {"c": counting}, metadata=huge)
         with pytest.raises(checkpointd.UnsupportedValueError, match="fit in a manifest"):
-            writer.save(1, {"c": counting}, metrics={"a": "y" * (MAX_MANIFEST_BYTES // 4)})
+            writer.save(1, {"c": counting}, metrics={"a": "y" * (tunables.MAX_MANIFEST_BYTES // 4)})
         assert counting.calls == 0
         # Under the limit it is stored, and every reader accepts the manifest.
         writer.save(1, {"c": counting}, metadata={"blob": "x" * 2**20}).result(timeout=60)

@@ -19,10 +19,10 @@ import os
 
 import numpy as np
 
+from checkpointd import tunables
 from checkpointd.layout import DIRECT_ALIGN
-from checkpointd.tunables import DIRECT_MIN_BYTES
 
-__all__ = ["DIRECT_ALIGN", "DIRECT_MIN_BYTES", "write_direct"]
+__all__ = ["DIRECT_ALIGN", "write_direct"]
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
@@ -42,7 +42,7 @@ def write_direct(fd: int, view: memoryview) -> tuple[memoryview, bool]:
     aligned = len(view) - len(view) % DIRECT_ALIGN
     if (
         not _O_DIRECT
-        or aligned < DIRECT_MIN_BYTES
+        or aligned < tunables.DIRECT_MIN_BYTES
         or address(view) % DIRECT_ALIGN
         or os.lseek(fd, 0, os.SEEK_CUR) % DIRECT_ALIGN
     ):

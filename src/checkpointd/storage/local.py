@@ -16,6 +16,7 @@ import secrets
 import shutil
 import stat
 
+from checkpointd import tunables
 from checkpointd.checksum import BytesLike
 from checkpointd.errors import CheckpointExistsError, StorageError, StorageNotFoundError
 from checkpointd.storage.base import (
@@ -26,7 +27,7 @@ from checkpointd.storage.base import (
     check_relpath,
     translate_errors,
 )
-from checkpointd.storage.directio import DIRECT_MIN_BYTES, write_direct
+from checkpointd.storage.directio import write_direct
 
 __all__ = ["LocalStore"]
 
@@ -196,7 +197,7 @@ class _LocalSink:
         assert self._fd is not None, "write after commit or discard"
         view = memoryview(data).cast("B")
         with translate_errors("write", self.temp):
-            if self._direct and len(view) >= DIRECT_MIN_BYTES:
+            if self._direct and len(view) >= tunables.DIRECT_MIN_BYTES:
                 view, self._direct = write_direct(self._fd, view)
             while view:
                 written = os.write(self._fd, view)
