@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -15,7 +17,13 @@ import torch
 
 import checkpointd
 from checkpointd.cli import main
-from checkpointd.errors import CheckpointExistsError, StorageCapabilityWarning, StorageNotFoundError
+from checkpointd.errors import (
+    CheckpointExistsError,
+    StorageCapabilityWarning,
+    StorageError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
 from checkpointd.storage import AzureStore, GCSStore, open_store
 from tests.conftest import Root
 
@@ -120,3 +128,45 @@ def test_a_missing_bucket_or_container_is_not_found_and_never_created(cloud_root
         open_store(missing, cloud_root.storage_options)
     with pytest.raises(StorageNotFoundError, match="never creates"):
         open_store(missing, cloud_root.storage_options)  # still missing: not created
+
+
+def test_importing_the_storage_package_imports_no_cloud_client() -> None:
+    code = (
+        "import sys, checkpointd.storage as s\n"
+        "assert s._BUILT_IN['gs'] and s._BUILT_IN['az']\n"
+        "loaded = sorted(m for m in ('gcsfs', 'adlfs', 'azure', 'fsspec') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_backend_errors_leave_as_storage_errors_and_bugs_pass_through(
+    cloud_root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(cloud_root.url, cloud_root.storage_options)
+    if isinstance(store, GCSStore):
+        import gcsfs.retry
+
+        denied: BaseException = OSError("Forbidden: b/x/o\nno access")
+        other: BaseException = gcsfs.retry.HttpError({"code": 503, "message": "busy"})
+    else:
+        import azure.core.exceptions as azure_errors
+
+        denied = azure_errors.ClientAuthenticationError("bad key")
+        other = azure_errors.ServiceRequestError("connection reset")
+    for raised, expected in (
+        (denied, StoragePermissionError),
+        (other, StorageError),
+        (KeyError("a bug"), KeyError),
+    ):
+
+        def fail(*args: object, raised: BaseException = raised, **kwargs: object) -> bytes:
+            raise raised
+
+        monkeypatch.setattr(store.fs, "cat_file", fail)
+        with pytest.raises(expected):
+            store.read_bytes("x", 0, 1)
+    monkeypatch.undo()
+    with pytest.raises(StorageNotFoundError):
+        store.read_bytes("missing", 0, 1)

@@ -20,9 +20,10 @@ Blocking; any thread.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -37,7 +38,7 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.storage.base import Capabilities
+from checkpointd.storage.base import Capabilities, translate_errors
 from checkpointd.storage.conditional import probe_exclusive_create, probe_key
 from checkpointd.storage.fsspec import FsspecStore
 
@@ -92,21 +93,22 @@ class GCSStore(FsspecStore):
                     )
             return self._exclusive
 
+    def _translating(self, action: str, path: str) -> contextlib.AbstractContextManager[None]:
+        return _translate_gcs(action, path, self.backend_errors)
+
     def _check_bucket(self) -> None:
-        """Raise unless the root's bucket exists and is reachable; never creates it."""
+        """Raise unless the root's bucket exists and its objects can be listed; never
+        creates it. Lists (at most one object) rather than reading the bucket's own
+        metadata, which roles limited to objects may not read."""
         bucket = self.root.partition("/")[0]
         if not bucket:
             raise StorageError(errno.EINVAL, f"{self.url}: no bucket in the URL")
         try:
-            self.fs.call("GET", "b/{}", bucket, json_out=True)
+            self.fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True)
         except FileNotFoundError:
             raise StorageNotFoundError(
                 errno.ENOENT,
                 f"{self.url}: bucket {bucket!r} does not exist (checkpointd never creates buckets)",
-            ) from None
-        except PermissionError as exc:
-            raise StoragePermissionError(
-                errno.EACCES, f"{self.url}: access to bucket {bucket!r} denied: {exc}"
             ) from None
 
     def _put(self, target: str, data: bytes, exclusive: bool) -> None:
@@ -129,6 +131,27 @@ class GCSStore(FsspecStore):
                 if self._holds(path, data):
                     return
                 raise CheckpointExistsError(f"{self.url}/{path} already exists") from None
+
+
+@contextlib.contextmanager
+def _translate_gcs(
+    action: str, path: str, backend_errors: tuple[type[BaseException], ...]
+) -> Iterator[None]:
+    """translate_errors, with gcsfs's 403 (a plain OSError "Forbidden: ...") and an
+    HttpError carrying 401/403 mapped to StoragePermissionError."""
+    with translate_errors(action, path, backend_errors):
+        try:
+            yield
+        except PermissionError:
+            raise
+        except OSError as exc:
+            if not str(exc).startswith("Forbidden"):
+                raise
+            raise StoragePermissionError(errno.EACCES, f"{action} {path}: {exc}") from exc
+        except gcsfs.retry.HttpError as exc:
+            if exc.code not in (401, 403, "401", "403"):
+                raise
+            raise StoragePermissionError(errno.EACCES, f"{action} {path}: {exc}") from exc
 
 
 def refused_as_existing(exc: BaseException) -> bool:
