@@ -24,11 +24,13 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.storage import AzureStore, GCSStore, open_store
+from checkpointd.storage import open_store
 from tests.conftest import Root
 
 CLOUD = ["gcs", "gcsemu", "azure"]
-STORE_TYPES = {"gcs": GCSStore, "gcsemu": GCSStore, "azure": AzureStore}
+STORE_TYPES = {"gcs": "GCSStore", "gcsemu": "GCSStore", "azure": "AzureStore"}
+"""Imported only once the emulator fixture has started (it skips where gcsfs or adlfs
+is missing, outside CI)."""
 
 
 @pytest.fixture(params=CLOUD)
@@ -54,7 +56,7 @@ def test_save_load_restore_verify_and_gc(
     cloud_root: Root, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, options = cloud_root, cloud_root.storage_options
-    assert type(open_store(root.url, options)) is STORE_TYPES[root.kind]
+    assert type(open_store(root.url, options)).__name__ == STORE_TYPES[root.kind]
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -145,7 +147,7 @@ def test_backend_errors_leave_as_storage_errors_and_bugs_pass_through(
     cloud_root: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = open_store(cloud_root.url, cloud_root.storage_options)
-    if isinstance(store, GCSStore):
+    if cloud_root.kind.startswith("gcs"):
         import gcsfs.retry
 
         denied: BaseException = OSError("Forbidden: b/x/o\nno access")
