@@ -91,3 +91,16 @@ def any_root(request: pytest.FixtureRequest) -> Root:
     """Each test using this runs once per backend."""
     root: Root = request.getfixturevalue(f"{request.param}_root")
     return root
+
+
+# Roots on GCS (fake-gcs-server, gcp-storage-emulator) and Azure (Azurite) emulators.
+from tests.support.cloud_roots import (  # noqa: E402
+    azure_root,
+    azurite,
+    fake_gcs,
+    gcs_emulator,
+    gcs_root,
+    gcsemu_root,
+)
+
+__all__ = ["azure_root", "azurite", "fake_gcs", "gcs_emulator", "gcs_root", "gcsemu_root"]

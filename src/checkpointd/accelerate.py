@@ -27,9 +27,18 @@ function of seed and epoch); skip the batches already seen with
 ``rest_of_epoch``. A plain sampler's generator is restored as
 saved, which repeats the order exactly when saved between epochs.
 
-Single process: every process would save its own ``rng``; in a multi-process run
-call ``save_state`` on the main process only (``accelerator.is_main_process``),
-which keeps the main process's RNG. Call from the training thread.
+Several processes (``accelerate launch``, torchrun; accelerate sets up the
+process group): every process calls ``save_state`` and ``load_state`` with the
+same step, through a writer made after the ``Accelerator`` (its default
+``process_group=None`` is the job's group): one collective checkpoint, whose
+``rng`` is each process's own (restored per rank) and whose other components are
+replicated (written once, and checked equal on every process). Give the
+dataloaders one shuffle order on every process
+(``DataLoaderConfiguration(data_seed=...)``, or the same seed before ``prepare``):
+their positions are replicated too. Calling it on the main process only fails
+with an error naming the ranks that did not join (a writer made with
+``process_group=checkpointd.LOCAL`` saves that process alone). Call from the
+training thread.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """One suite every storage backend passes: memory://, local disk, S3 over HTTP
-(moto, and s3rver: an S3 server without If-None-Match), and dictfs:// (the
-one-module example backend in tests/support/dict_store.py).
+(moto, and s3rver: an S3 server without If-None-Match), dictfs:// (the
+one-module example backend in tests/support/dict_store.py), GCS (fake-gcs-server,
+which honours ifGenerationMatch=0, and gcp-storage-emulator, which ignores it)
+and Azure Blob (Azurite, which honours If-None-Match: *).
 
 Capability differences are declared by the store (Store.capabilities) and
 checked here: on s3rver the manifest publish is guarded but not exclusive (it
@@ -24,8 +26,19 @@ from checkpointd.errors import (
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 
-BACKENDS = ["memory", "local", "s3", "s3rver", "dictfs"]
-EXCLUSIVE = {"memory": False, "local": True, "s3": True, "s3rver": False, "dictfs": True}
+BACKENDS = ["memory", "local", "s3", "s3rver", "dictfs", "gcs", "gcsemu", "azure"]
+EXCLUSIVE = {
+    "memory": False,
+    "local": True,
+    "s3": True,
+    "s3rver": False,
+    "dictfs": True,
+    "gcs": True,
+    "gcsemu": False,
+    "azure": True,
+}
+PROBED = {"s3", "s3rver", "gcs", "gcsemu", "azure"}
+"""Backends whose exclusive create depends on the server: asked once, on first publish."""
 
 
 @pytest.fixture(params=BACKENDS)
@@ -108,9 +121,9 @@ def test_publish_is_exclusive(store: Store) -> None:
 
 def test_declared_exclusive_create(store: Store, root: Root) -> None:
     _write(store, "d/a", b"1")
-    # Reading the declaration never touches the storage: S3 says "not known yet".
+    # Reading the declaration never touches the storage: S3, GCS, Azure say "not known yet".
     declared = store.capabilities.exclusive_create
-    assert declared is (None if root.kind.startswith("s3") else EXCLUSIVE[root.kind])
+    assert declared is (None if root.kind in PROBED else EXCLUSIVE[root.kind])
     assert store.exclusive_create is EXCLUSIVE[root.kind]
     assert store.capabilities.exclusive_create in (None, EXCLUSIVE[root.kind])
     assert store.list_dir("") == ["d"], "the capability probe left its key behind"

@@ -91,3 +91,15 @@ def test_two_writers_local(local_root: Root) -> None:
 @pytest.mark.timeout(120)
 def test_two_writers_s3(s3_root: Root) -> None:
     _race(s3_root, rounds=4)
+
+
+@pytest.mark.timeout(120)
+def test_two_writers_gcs(gcs_root: Root) -> None:
+    """fake-gcs-server honours ifGenerationMatch=0: exactly one writer wins each step."""
+    _race(gcs_root, rounds=4)
+
+
+@pytest.mark.timeout(120)
+def test_two_writers_azure(azure_root: Root) -> None:
+    """Azurite honours If-None-Match: *: exactly one writer wins each step."""
+    _race(azure_root, rounds=4)

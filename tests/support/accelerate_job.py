@@ -1,13 +1,18 @@
 """A tiny accelerate job for checkpointd.accelerate's tests: ``python -m tests.support.accelerate_job``.
 
-``run`` trains 2 epochs of 8 batches; it can stop after ``save_at`` batches (saving
-there) or resume from a root first. It returns the parameters and the batches it saw.
+``run`` trains 2 epochs of 8 batches (8 per process, split over the processes); it can
+stop after ``save_at`` batches (saving there) or resume from a root first. It returns
+the parameters (and a draw from the process's torch generator at the end, which the
+RNG restore decides) and the batches it saw. ``--rank R WORLD PORT`` runs it as one
+process of a ``WORLD``-process job (gloo on CPU, torch.distributed's env:// rendezvous
+on 127.0.0.1, as torchrun or ``accelerate launch`` would set it up).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -44,10 +49,10 @@ def run(
     from checkpointd import CheckpointWriter
     from checkpointd.accelerate import load_state, rest_of_epoch, save_state
 
-    set_seed(seed)
-    accelerator = Accelerator(
-        cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)
-    )
+    # One shuffle order for every process (each takes its shard of it): data_seed.
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    set_seed(seed, device_specific=True)  # each process its own generators (seed + rank)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, hidden), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1)
     )
@@ -60,13 +65,15 @@ def run(
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     done, seen = 0, []
+    per_epoch = len(loader)  # BATCHES over the processes
+    # With several processes every one saves and restores (one collective checkpoint).
     with CheckpointWriter(root, keep_last=2) as writer:
         if resume:
             done = load_state(accelerator, writer).metadata["batches_done"]
-        while done < EPOCHS * BATCHES:
+        while done < EPOCHS * per_epoch:
             batches: Any = loader
-            if done % BATCHES:
-                batches = rest_of_epoch(accelerator, loader, done % BATCHES)
+            if done % per_epoch:
+                batches = rest_of_epoch(accelerator, loader, done % per_epoch)
             for xb, yb in batches:
                 seen.append(xb.clone())
                 loss = torch.nn.functional.mse_loss(model(xb), yb)
@@ -83,6 +90,7 @@ def run(
         k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()
     }
     params["counter"] = counter.seen
+    params["rng_draw"] = torch.rand(4)
     return params, seen
 
 
@@ -91,9 +99,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("root")
     parser.add_argument("out")
     parser.add_argument("--kwargs", default="{}")
+    parser.add_argument("--rank", nargs=3, type=int, metavar=("RANK", "WORLD", "PORT"))
     args = parser.parse_args(argv)
+    if args.rank is not None:
+        rank, world, port = args.rank
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     params, seen = run(args.root, **json.loads(args.kwargs))
-    torch.save({"params": params, "seen": seen}, args.out)
+    out = args.out if args.rank is None else f"{args.out}/rank{args.rank[0]}.pt"
+    torch.save({"params": params, "seen": seen}, out)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Storage backends, chosen by the URL protocol of a checkpoint root.
 
 ``open_store(root)`` opens a local path or ``file://`` URL as LocalStore,
-``s3://`` as S3Store, and any other protocol through the registry: backends
+``s3://`` as S3Store, ``gs://``/``gcs://`` as GCSStore, ``az://``/``abfs://`` as
+AzureStore, and any other protocol through the registry: backends
 registered with ``register_store`` in this process first, then those that
 installed packages declare under the entry-point group ``checkpointd.stores``
 (loaded only when their protocol is first asked for), and last the generic
 FsspecStore for any protocol fsspec knows. A backend is one module: a Store
 subclass (storage/base.py) and a registration. Backend modules load lazily,
-so importing this package imports neither fsspec nor boto.
+so importing this package imports neither fsspec nor boto, gcsfs or adlfs.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ from checkpointd.storage.base import (
 from checkpointd.storage.local import LocalStore
 
 if TYPE_CHECKING:
+    from checkpointd.storage.azure import AzureStore
     from checkpointd.storage.fsspec import FsspecStore
+    from checkpointd.storage.gcs import GCSStore
     from checkpointd.storage.s3 import S3Store
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "TEMP_MARKER",
+    "AzureStore",
     "Capabilities",
     "FileSink",
     "FsspecStore",
+    "GCSStore",
     "LocalStore",
     "PendingUpload",
     "S3Store",
@@ -81,13 +86,33 @@ def _s3(url: str, storage_options: Mapping[str, Any] | None) -> Store:
     return S3Store(url, storage_options)
 
 
+def _gcs(url: str, storage_options: Mapping[str, Any] | None) -> Store:
+    from checkpointd.storage.gcs import GCSStore
+
+    return GCSStore(url, storage_options)
+
+
+def _azure(url: str, storage_options: Mapping[str, Any] | None) -> Store:
+    from checkpointd.storage.azure import AzureStore
+
+    return AzureStore(url, storage_options)
+
+
 def _fsspec(url: str, storage_options: Mapping[str, Any] | None) -> Store:
     from checkpointd.storage.fsspec import FsspecStore
 
     return FsspecStore(url, storage_options)
 
 
-_BUILT_IN: dict[str, StoreFactory] = {"file": _local, "s3": _s3, "s3a": _s3}
+_BUILT_IN: dict[str, StoreFactory] = {
+    "file": _local,
+    "s3": _s3,
+    "s3a": _s3,
+    "gs": _gcs,
+    "gcs": _gcs,
+    "az": _azure,
+    "abfs": _azure,
+}
 
 
 def _factory(protocol: str) -> StoreFactory:
@@ -116,7 +141,8 @@ def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> S
 
 
 def __getattr__(name: str) -> Any:
-    """FsspecStore and S3Store, imported on first use (they import fsspec and boto)."""
+    """FsspecStore, S3Store, GCSStore and AzureStore, imported on first use (they import
+    fsspec and their client libraries)."""
     if name == "FsspecStore":
         from checkpointd.storage.fsspec import FsspecStore
 
@@ -125,4 +151,12 @@ def __getattr__(name: str) -> Any:
         from checkpointd.storage.s3 import S3Store
 
         return S3Store
+    if name == "GCSStore":
+        from checkpointd.storage.gcs import GCSStore
+
+        return GCSStore
+    if name == "AzureStore":
+        from checkpointd.storage.azure import AzureStore
+
+        return AzureStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
