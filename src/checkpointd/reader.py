@@ -120,6 +120,12 @@ class StepReader:
 
     def header(self, name: str) -> list[TensorEntry]:
         """The tensor entries of a tensor file, reading only its length prefix and header."""
+        return self.layout(name)[1]
+
+    def layout(self, name: str) -> tuple[int, list[TensorEntry]]:
+        """(where the data region starts, the tensor entries) of a tensor file, after its
+        size check, reading only its length prefix and header (not checked against the
+        file's CRC32C: the caller streams the whole file through it before trusting it)."""
         from checkpointd.header import header_length, parse_safetensors_header
 
         path, at = f"{self.folder}/{name}", f"{self.where}/{name}"
@@ -129,7 +135,16 @@ class StepReader:
             header = self.store.read_bytes(path, 8, length)
         except StorageNotFoundError:
             raise self._vanished(name) from None
-        return parse_safetensors_header(header, size - 8 - length, where=at)
+        return 8 + length, parse_safetensors_header(header, size - 8 - length, where=at)
+
+    def check_digest(self, name: str, actual: int) -> None:
+        """CorruptCheckpointError unless ``actual`` is file ``name``'s CRC32C in the manifest."""
+        self._check_digest(name, actual)
+
+    def vanished(self, name: str) -> CheckpointError:
+        """The error for listed file ``name`` found missing: CheckpointNotFoundError if the
+        whole step was deleted meanwhile, else CorruptCheckpointError."""
+        return self._vanished(name)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
@@ -155,19 +170,30 @@ class StepReader:
         name: str,
         entry: ComponentEntry | None = None,
         templates: Mapping[str, Any] | None = None,
+        *,
+        tree: bytes | None = None,
+        preloaded: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     ) -> Any:
         """The state tree of component ``name``, its tensors read and checked.
 
         Sharded tensors are assembled whole, except those named in ``templates``
         (tensor name -> a live DTensor): each of those comes back as a DTensor like
         its template, holding only this rank's part, read from the shards it overlaps.
+        ``tree``: the component's tree file, already read and checked (else read here).
+        ``preloaded[file]``: the tensors of a tensor file the caller already read and
+        checked (restore's in-place path), used instead of reading that file.
         """
         from checkpointd.format import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = _ComponentTensors(self, entry, templates or {})
-        tree = bytes(self.read(entry.tree).numpy())
+        tensors = _ComponentTensors(self, entry, templates or {}, preloaded or {})
+        if tree is None:
+            tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
+
+    def tree(self, entry: ComponentEntry) -> bytes:
+        """A component's tree file, after its size and digest checks."""
+        return bytes(self.read(entry.tree).numpy())
 
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor:
         """The ``box`` (offsets, shape) of sharded tensor ``name``, read from the shards that
@@ -332,10 +358,17 @@ class _ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
     plain tensor files all at once on first use, sharded tensors one by one."""
 
-    def __init__(self, reader: StepReader, entry: ComponentEntry, templates: Mapping[str, Any]):
+    def __init__(
+        self,
+        reader: StepReader,
+        entry: ComponentEntry,
+        templates: Mapping[str, Any],
+        preloaded: Mapping[str, Mapping[str, torch.Tensor]],
+    ):
         self.reader = reader
         self.entry = entry
         self.templates = templates
+        self.preloaded = preloaded
         self._plain: dict[str, torch.Tensor] | None = None
 
     def plain(self) -> dict[str, torch.Tensor]:
@@ -343,7 +376,8 @@ class _ComponentTensors(Mapping[str, "torch.Tensor"]):
         if self._plain is None:
             plain: dict[str, torch.Tensor] = {}
             for tensor_file in self.entry.tensors:
-                plain.update(self.reader.tensors(tensor_file))
+                done = self.preloaded.get(tensor_file)
+                plain.update(self.reader.tensors(tensor_file) if done is None else done)
             for tensor, ref in self.entry.refs.items():
                 if tensor in plain:
                     raise CorruptCheckpointError(

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from checkpointd import catalog, tunables
+from checkpointd import catalog, inplace, tunables
 from checkpointd.catalog import list_checkpoints
 from checkpointd.distributed import per_rank_targets
 from checkpointd.errors import (
@@ -227,7 +227,18 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     skipped_steps: tuple[SkippedStep, ...] = ()
 
 
-_Prepared = tuple[int, Checkpoint, Mapping[str, Any], list[str], tuple[str, ...], tuple[str, ...]]
+@dataclass(slots=True)
+class _Prepared:
+    """One step read and checked for restore, no target touched yet."""
+
+    step: int
+    info: CheckpointInfo
+    planned: dict[str, inplace.Planned]
+    targets: Mapping[str, Any]
+    names: list[str]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    where: str
 
 
 def _prepare(
@@ -248,16 +259,74 @@ def _prepare(
         check_restorable(targets[name], name)
     templates = {name: dtensor_templates(name, targets[name], targets) for name in names}
     # The manifest read above is the one the files are checked against: read once.
-    checkpoint = _load_from(
-        store,
-        found_step,
-        manifest,
-        components=names,
-        map_location=None,
-        verify=True,
-        templates=templates,
-    )
-    return found_step, checkpoint, targets, names, missing, unexpected
+    reader = StepReader(store, found_step, manifest, verify=True)
+    planned: dict[str, inplace.Planned] = {}
+    with concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool:
+        futures = {
+            name: pool.submit(
+                inplace.read_for_restore, reader, name, targets[name], templates[name]
+            )
+            for name in names
+        }
+        try:
+            for name, future in futures.items():
+                planned[name] = future.result()
+        except BaseException:
+            concurrent.futures.wait(futures.values())
+            inplace.release(
+                [f.result() for f in futures.values() if not f.cancelled() and not f.exception()]
+            )
+            raise
+    info = CheckpointInfo.from_manifest(manifest, catalog.step_path(store, found_step))
+    return _Prepared(found_step, info, planned, targets, names, missing, unexpected, reader.where)
+
+
+def _apply(prepared: _Prepared) -> None:
+    """Fit checks, then load every target (rolled back if one refuses), then land the
+    direct tensors' bytes (inplace.py explains why this order is all or nothing)."""
+    targets, names, planned = prepared.targets, prepared.names, prepared.planned
+    for name in names:
+        check_fits(name, targets[name], planned[name].tree, targets)
+    backups = {
+        name: inplace.backup(targets[name], planned[name])
+        if planned[name].landings
+        else _backup(targets[name])
+        for name in names
+    }
+    touched: list[str] = []
+    try:
+        for name in names:
+            # The target is touched before load_state_dict returns: a module copies
+            # tensors one by one and may raise half way.
+            touched.append(name)
+            load_component(targets[name], planned[name].tree, targets)
+    except Exception as exc:
+        _roll_back(targets, backups, touched)
+        raise RestoreMismatchError(
+            f"component {touched[-1]!r} was rejected by its target ({exc}); nothing was changed"
+        ) from exc
+    except BaseException:
+        _roll_back(targets, backups, touched)
+        raise
+    if lost := [n for n in names if not inplace.still_held(targets[n], planned[n])]:
+        _roll_back(targets, backups, touched)
+        raise CheckpointError(
+            f"target(s) {lost} did not keep their own tensors when loading; nothing was "
+            "changed (please report this as a checkpointd bug)"
+        )
+    landed: list[str] = []
+    try:
+        for name in names:
+            if planned[name].landings:
+                landed.append(name)
+                inplace.land(prepared.where, planned[name])
+    except BaseException as exc:
+        _roll_back(targets, backups, touched)
+        raise CorruptCheckpointError(
+            f"restore failed while reading tensors into their targets ({exc}); the other "
+            f"state was rolled back, but tensors of {landed} may hold a mix of old and "
+            "restored values"
+        ) from exc
 
 
 def restore(
@@ -291,25 +360,12 @@ def restore(
         prepared, skipped_steps = _newest_good(store, step, attempt)
     finally:
         store.close()
-    found_step, checkpoint, targets, names, missing, unexpected = prepared
-    for name in names:
-        check_fits(name, targets[name], checkpoint.state[name], targets)
-    backups = {name: _backup(targets[name]) for name in names}
-    touched: list[str] = []
     try:
-        for name in names:
-            # The target is touched before load_state_dict returns: a module copies
-            # tensors one by one and may raise half way.
-            touched.append(name)
-            load_component(targets[name], checkpoint.state[name], targets)
-    except Exception as exc:
-        _roll_back(targets, backups, touched)
-        raise RestoreMismatchError(
-            f"component {touched[-1]!r} was rejected by its target ({exc}); nothing was changed"
-        ) from exc
-    except BaseException:
-        _roll_back(targets, backups, touched)
-        raise
+        _apply(prepared)
+    finally:
+        inplace.release(list(prepared.planned.values()))
+    found_step, names = prepared.step, prepared.names
+    missing, unexpected = prepared.missing, prepared.unexpected
     if missing or unexpected:
         _log.warning(
             "restore(strict=False) from step %d skipped targets without a component %s and "
@@ -318,7 +374,7 @@ def restore(
             list(missing),
             list(unexpected),
         )
-    info = checkpoint.info
+    info = prepared.info
     return RestoreInfo(
         **{f: getattr(info, f) for f in info.__struct_fields__},
         restored=tuple(names),
