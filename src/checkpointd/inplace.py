@@ -39,7 +39,6 @@ Blocking; the caller's thread (it starts one helper thread per file while stream
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ import numpy as np
 import torch
 
 from checkpointd import tunables
-from checkpointd.checksum import crc32c
+from checkpointd.checksum import crc32c_stream
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format import decode_tree
 from checkpointd.header import TensorEntry
@@ -275,41 +274,6 @@ def read_for_restore(
     return Planned(tree, how, landings)
 
 
-def _stream(
-    spans: list[tuple[memoryview, int | None]],
-    read: Callable[[memoryview, int], None],
-    after: Callable[[int, memoryview], None] | None = None,
-) -> int:
-    """The CRC32C of ``spans`` in order. A span with an offset is first filled by
-    ``read(view, offset)``, the next one's read running in a helper thread while this
-    one is checksummed here (both release the GIL); ``after(i, view)`` then runs on it."""
-    digest = 0
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-
-        def start(i: int) -> concurrent.futures.Future[None] | None:
-            if i >= len(spans) or spans[i][1] is None:
-                return None
-            view, offset = spans[i]
-            assert offset is not None
-            return pool.submit(read, view, offset)
-
-        pending = start(0)
-        for i, (view, _) in enumerate(spans):
-            if pending is not None:
-                pending.result()
-            pending = start(i + 1)
-            try:
-                digest = crc32c(view, digest)
-                if after is not None:
-                    after(i, view)
-            except BaseException:
-                if pending is not None:
-                    pending.cancel()
-                    concurrent.futures.wait([pending])
-                raise
-    return digest
-
-
 def _reader(reader: StepReader, landing: _Landing) -> Callable[[memoryview, int], None]:
     pinned = landing.pinned
     assert pinned is not None
@@ -383,7 +347,7 @@ def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor
                     out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
             j += 1
 
-    reader.check_digest(landing.file, _stream(spans, _reader(reader, landing), extract))
+    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
     landing.header = bytes(header)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
@@ -449,7 +413,7 @@ def land(where: str, planned: Planned) -> None:
             for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
                 part = view[at : at + tunables.READ_CHUNK_BYTES]
                 spans.append((part, landing.start + e.begin + at))
-        digest = _stream(spans, pinned.read_into)
+        digest = crc32c_stream(spans, pinned.read_into)
         if digest != landing.crc32c:
             raise CorruptCheckpointError(
                 f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "

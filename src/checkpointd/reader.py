@@ -10,12 +10,13 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpointd import catalog, tunables
-from checkpointd.checksum import crc32c
+from checkpointd.checksum import crc32c, crc32c_combine
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -34,6 +35,7 @@ from checkpointd.manifest import (
     step_dirname,
 )
 from checkpointd.storage import Store
+from checkpointd.storage.base import PinnedFile
 
 if TYPE_CHECKING:
     import torch
@@ -94,15 +96,26 @@ class StepReader:
         """
         import torch
 
+        from checkpointd.hostmem import prefault
+
         path = f"{self.folder}/{name}"
         size = self._size(name)
+        # Read, never mapped, even where the store could (capabilities.memory_map): a
+        # tensor over a map pins a deleted checkpoint's disk space for as long as an
+        # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS.
+        # One allocation per file, faulted in by the reading threads (hostmem.py).
+        data = torch.empty(size, dtype=torch.uint8)
         try:
-            # Read, never mapped, even where the store could (capabilities.memory_map): a
-            # tensor over a map pins a deleted checkpoint's disk space for as long as an
-            # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS;
-            # reading measured no slower on a 600 MB checkpoint.
-            data = torch.empty(size, dtype=torch.uint8)
+            large = self.verify and size >= 2 * tunables.READ_CHUNK_BYTES
+            pinned = self.store.open_pinned(path) if large else None
+            if pinned is not None:
+                try:
+                    self._check_digest(name, _read_checked(pinned, data))
+                finally:
+                    pinned.close()
+                return data
             view = data.numpy().data.cast("B")
+            prefault(data.data_ptr(), size)
             self.store.read_into(path, view)
         except StorageNotFoundError:
             raise self._vanished(name) from None
@@ -352,6 +365,31 @@ class StepReader:
         if digest != expected:
             return f"CRC32C {digest:08x} does not match the manifest's {expected:08x}"
         return None
+
+
+def _read_checked(pinned: PinnedFile, data: torch.Tensor) -> int:
+    """Fill ``data`` (fresh memory) from ``pinned`` in chunks, each faulted in, read and
+    checksummed by one of ``tunables.FILE_READ_THREADS`` threads (all three release the
+    GIL); the CRC32C of the whole, combined from the chunks' in order."""
+    from checkpointd.hostmem import prefault
+
+    chunk = tunables.READ_CHUNK_BYTES
+    view = data.numpy().data.cast("B")
+    base = data.data_ptr()
+
+    def work(at: int) -> int:
+        part = view[at : at + chunk]
+        prefault(base + at, len(part))
+        pinned.read_into(part, at)
+        return crc32c(part)
+
+    offsets = range(0, len(view), chunk)
+    with concurrent.futures.ThreadPoolExecutor(tunables.FILE_READ_THREADS) as pool:
+        digests = list(pool.map(work, offsets))
+    digest = 0
+    for at, part in zip(offsets, digests, strict=True):
+        digest = crc32c_combine(digest, part, min(chunk, len(view) - at))
+    return digest
 
 
 class _ComponentTensors(Mapping[str, "torch.Tensor"]):
