@@ -198,11 +198,21 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _direct(
-    probe: _Probe, probe_tree: Any, live_tree: Any, by_name: Mapping[str, TensorEntry]
+    probe: _Probe,
+    probe_tree: Any,
+    live_tree: Any,
+    by_name: Mapping[str, TensorEntry],
+    optimizer: bool,
 ) -> dict[str, torch.Tensor]:
     """Tensor name -> the live tensor its bytes can land in: used only as tensors, every
-    use at a path whose live tensor shows the same memory, fitting it exactly."""
-    live = {path: leaf for path, leaf in walk(live_tree) if isinstance(leaf, torch.Tensor)}
+    use at a path whose live tensor shows the same memory, fitting it exactly. For an
+    optimizer only its per-parameter ``state``: ``load_state_dict`` deep-copies the
+    parameter groups, so a tensor there (a tensor ``lr``) is not kept."""
+    live = {
+        path: leaf
+        for path, leaf in walk(live_tree)
+        if isinstance(leaf, torch.Tensor) and (not optimizer or path[:1] == ("state",))
+    }
     uses: dict[str, list[tuple[str, ...]]] = {}
     for path, leaf in walk(probe_tree):
         if isinstance(leaf, torch.Tensor) and id(leaf) in probe.handed:
@@ -254,7 +264,9 @@ def read_for_restore(
 
     direct = {}
     if not (how == "adopt" and is_by_name(probe_tree)):
-        direct = _direct(probe, probe_tree, component_state(unwrap(target), name), by_name)
+        live = unwrap(target)
+        optimizer = isinstance(live, torch.optim.Optimizer)
+        direct = _direct(probe, probe_tree, component_state(live, name), by_name, optimizer)
     if not direct:
         return Planned(reader.component(name, entry, templates, tree=tree_bytes))
     landings: list[_Landing] = []

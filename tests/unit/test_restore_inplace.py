@@ -252,3 +252,19 @@ def test_a_module_with_hooks_takes_the_usual_path(root: Root) -> None:
     _restore(root, {"model": live})
     assert seen == ["post"]
     assert _equal(model.state_dict(), live.state_dict())
+
+
+def test_an_optimizer_with_a_tensor_learning_rate(root: Root) -> None:
+    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _net(seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01 * (seed + 1)))
+        model(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = make(0)
+    _save(root, {"model": model, "optimizer": optimizer})
+    live_model, live_optimizer = make(1)
+    _restore(root, {"model": live_model, "optimizer": live_optimizer})
+    assert _equal(optimizer.state_dict(), live_optimizer.state_dict())
+    assert float(live_optimizer.param_groups[0]["lr"]) == pytest.approx(0.01)
