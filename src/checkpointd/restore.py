@@ -322,6 +322,8 @@ def _apply(prepared: _Prepared) -> None:
                 inplace.land(prepared.where, planned[name])
     except BaseException as exc:
         _roll_back(targets, backups, touched)
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt and the like keep their type
         raise CorruptCheckpointError(
             f"restore failed while reading tensors into their targets ({exc}); the other "
             f"state was rolled back, but tensors of {landed} may hold a mix of old and "
