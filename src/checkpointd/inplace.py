@@ -249,7 +249,50 @@ def read_for_restore(
     tree_bytes = reader.tree(entry)
     if how is None or not entry.tensors:
         return Planned(reader.component(name, entry, templates, tree=tree_bytes))
-    layouts = {file: reader.layout(file) for file in entry.tensors}
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]] = {}
+    try:
+        layouts = {file: _open(reader, file, opened) for file in entry.tensors}
+        return _plan(reader, name, target, templates, how, tree_bytes, layouts, opened)
+    finally:
+        for pinned, _ in opened.values():
+            if pinned is not None:
+                pinned.close()  # those not handed to a landing
+
+
+def _open(
+    reader: StepReader,
+    file: str,
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]],
+) -> tuple[int, list[TensorEntry]]:
+    """Pin ``file`` where the store can, else read it whole once (checked, one request
+    on an object store: no separate header reads); its layout."""
+    try:
+        pinned = reader.store.open_pinned(f"{reader.folder}/{file}")
+    except StorageNotFoundError:
+        raise reader.vanished(file) from None
+    if pinned is not None:
+        opened[file] = (pinned, None)
+        return reader.layout(file)
+    whole = reader.read(file)  # size and CRC32C checked
+    opened[file] = (None, whole)
+    return reader.layout_of(file, whole)
+
+
+def _plan(  # noqa: PLR0917 - the one caller passes what it already has
+    reader: StepReader,
+    name: str,
+    target: Any,
+    templates: Mapping[str, Any],
+    how: str,
+    tree_bytes: bytes,
+    layouts: Mapping[str, tuple[int, list[TensorEntry]]],
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]],
+) -> Planned:
+    """``read_for_restore`` once each tensor file is pinned (or read whole) in ``opened``;
+    the pins it hands to a landing are removed from ``opened``."""
+    entry = reader.manifest.components[name]
+    whole = {file: source for file, (_, source) in opened.items() if source is not None}
+    preloaded = {file: reader.tensors_of(file, source) for file, source in whole.items()}
     owner = {e.name: file for file, (_, entries) in layouts.items() for e in entries}
     by_name = {
         e.name: e
@@ -268,15 +311,16 @@ def read_for_restore(
         optimizer = isinstance(live, torch.optim.Optimizer)
         direct = _direct(probe, probe_tree, component_state(live, name), by_name, optimizer)
     if not direct:
-        return Planned(reader.component(name, entry, templates, tree=tree_bytes))
+        tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
+        return Planned(tree)
     landings: list[_Landing] = []
-    preloaded: dict[str, dict[str, torch.Tensor]] = {}
     try:
         for file, (start, entries) in layouts.items():
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
                 landing = _Landing(file, start, ordered, mine, reader.files[file].crc32c)
+                landing.pinned, landing.source = opened.pop(file)
                 landings.append(landing)
                 preloaded[file] = {**_check_pass(reader, landing), **mine}
         tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
@@ -300,19 +344,14 @@ def _reader(reader: StepReader, landing: _Landing) -> Callable[[memoryview, int]
 
 
 def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor]:
-    """Check ``landing``'s whole file against its CRC32C through two reused chunk buffers,
+    """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
     copying its header and its non-direct tensors out on the way; those tensors by name.
-    Where the store cannot pin the file, read it whole instead (kept until landing)."""
+    Where the store could not pin the file it was read whole (kept until landing)."""
     size = reader.files[landing.file].size
-    path = f"{reader.folder}/{landing.file}"
     others = [e for e in landing.entries if e.name not in landing.direct]
-    try:
-        pinned = reader.store.open_pinned(path)
-    except StorageNotFoundError:
-        raise reader.vanished(landing.file) from None
+    pinned, source = landing.pinned, landing.source
     if pinned is None:
-        source = reader.read(landing.file)  # size and CRC32C checked
-        landing.source = source
+        assert source is not None  # read whole (and checked) by _open
         landing.header = bytes(source[: landing.start].numpy())
         kept: dict[str, torch.Tensor] = {}
         for e in others:
@@ -321,7 +360,6 @@ def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor
                 piece = piece.clone()
             kept[e.name] = piece.view(e.dtype).view(e.shape)
         return kept
-    landing.pinned = pinned
     offsets: list[int] = []
     total = 0
     for e in others:

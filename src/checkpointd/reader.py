@@ -161,15 +161,24 @@ class StepReader:
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
+
+        return self.tensors_of(name, self.read(name))
+
+    def layout_of(self, name: str, data: torch.Tensor) -> tuple[int, list[TensorEntry]]:
+        """As ``layout``, parsed from the whole file ``data`` already read and checked."""
         from checkpointd.header import header_length, parse_safetensors_header
 
-        data = self.read(name)
         where = f"{self.where}/{name}"
         length = header_length(bytes(data[:8].numpy()), data.numel(), where=where)
         start = 8 + length
         entries = parse_safetensors_header(
             bytes(data[8:start].numpy()), data.numel() - start, where=where
         )
+        return start, entries
+
+    def tensors_of(self, name: str, data: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As ``tensors``, from the whole file ``data`` already read and checked."""
+        start, entries = self.layout_of(name, data)
         tensors: dict[str, torch.Tensor] = {}
         for entry in entries:
             chunk = data[start + entry.begin : start + entry.end]
