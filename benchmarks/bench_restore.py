@@ -238,6 +238,28 @@ def report(table: Table, nbytes: int) -> list[str]:
     return lines
 
 
+def _ranks(mb: float, reps: int, folder: Path) -> dict[str, Any]:
+    """bench_ranks' 2-rank run (and 3 ranks restoring what 2 saved), its restore rows."""
+    from benchmarks import bench_ranks
+
+    with work_dir(folder, "restore-ranks") as work:
+        results: dict[str, Any] = bench_ranks.run([2], mb, reps, work)
+    return results
+
+
+def _ranks_report(results: dict[str, Any]) -> list[str]:
+    two, three = results["worlds"]["2"], results["reshard_2_to_3"]
+    lines = [f"many ranks: FSDP2 + AdamW, {results['mb']:g} MB of parameters (slowest rank)"]
+    for label, s in (("2 ranks", two), ("2 -> 3 ranks", three)):
+        ratio = s["checkpointd.restore"] / s["dcp.restore"]
+        mark = "ok" if ratio <= 0.8 else "MISSED (goal <= 0.8)"
+        lines.append(
+            f"  {label}: checkpointd.restore {s['checkpointd.restore']:.3f} s, "
+            f"dcp.load + set_state_dict {s['dcp.restore']:.3f} s: {ratio:.2f}x  {mark}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=705.0, help="model size in MB (1e6 bytes)")
@@ -246,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="where to write (default /tmp)")
     parser.add_argument("--json", default=str(RESULTS), help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 reps")
+    parser.add_argument(
+        "--ranks-mb",
+        type=float,
+        default=0,
+        help="also the many-rank rows (2-rank FSDP2 + AdamW restore vs DCP, and 2 -> 3): "
+        "parameter MB, through benchmarks.bench_ranks (0: skip, the default)",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "PATH", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -261,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     with work_dir(folder, "restore") as work:
         table, nbytes = compare(d, work, reps=args.reps, fresh_reps=args.fresh_reps or args.reps)
     lines = report(table, nbytes)
+    ranks: dict[str, Any] | None = None
+    if args.ranks_mb:
+        ranks = _ranks(args.ranks_mb, args.reps, folder)
+        lines += _ranks_report(ranks)
     print("\n".join(lines))
     if args.json:
         out = Path(args.json)
@@ -271,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "nbytes": nbytes,
             "d": d,
             "series": table.as_json(),
+            "ranks": ranks,
             "ratios": {
                 label: table.ratio(ours, theirs)
                 for label, ours, theirs, _ in ROWS
