@@ -442,34 +442,43 @@ def land(where: str, planned: Planned) -> None:
     CRC32C again over what landed (``where``: the step, for messages);
     CorruptCheckpointError if it differs (the file changed since the check pass)."""
     for landing in planned.landings:
-        source = landing.source
-        if source is not None:  # read whole and checked in the check pass
-            for e in landing.entries:
-                live = landing.direct.get(e.name)
-                if live is not None:
-                    flat = live.detach().reshape(-1).view(torch.uint8)
-                    flat.copy_(source[landing.start + e.begin : landing.start + e.end])
-            continue
-        pinned = landing.pinned
-        assert pinned is not None
-        spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
-        kept = iter(landing.kept)
+        _land_one(where, landing)
+        for live in landing.direct.values():
+            # As an in-place copy would: autograd then refuses a backward through a
+            # graph that saved the old values, instead of using the new ones silently.
+            torch.autograd.graph.increment_version(live)
+
+
+def _land_one(where: str, landing: _Landing) -> None:
+    """``land`` for one file."""
+    source = landing.source
+    if source is not None:  # read whole and checked in the check pass
         for e in landing.entries:
             live = landing.direct.get(e.name)
-            if live is None:
-                spans.append((next(kept), None))
-                continue
-            view = _bytes_of(live)
-            for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
-                part = view[at : at + tunables.READ_CHUNK_BYTES]
-                spans.append((part, landing.start + e.begin + at))
-        digest = crc32c_stream(spans, pinned.read_into)
-        if digest != landing.crc32c:
-            raise CorruptCheckpointError(
-                f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
-                f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
-                "file changed while it was being restored)"
-            )
+            if live is not None:
+                flat = live.detach().reshape(-1).view(torch.uint8)
+                flat.copy_(source[landing.start + e.begin : landing.start + e.end])
+        return
+    pinned = landing.pinned
+    assert pinned is not None
+    spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
+    kept = iter(landing.kept)
+    for e in landing.entries:
+        live = landing.direct.get(e.name)
+        if live is None:
+            spans.append((next(kept), None))
+            continue
+        view = _bytes_of(live)
+        for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
+            part = view[at : at + tunables.READ_CHUNK_BYTES]
+            spans.append((part, landing.start + e.begin + at))
+    digest = crc32c_stream(spans, pinned.read_into)
+    if digest != landing.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
+            f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
+            "file changed while it was being restored)"
+        )
 
 
 def release(planned: list[Planned]) -> None:

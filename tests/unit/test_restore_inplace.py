@@ -268,3 +268,14 @@ def test_an_optimizer_with_a_tensor_learning_rate(root: Root) -> None:
     _restore(root, {"model": live_model, "optimizer": live_optimizer})
     assert _equal(optimizer.state_dict(), live_optimizer.state_dict())
     assert float(live_optimizer.param_groups[0]["lr"]) == pytest.approx(0.01)
+
+
+def test_autograd_sees_the_live_tensors_change(root: Root) -> None:
+    """A backward through a graph that saved the old weights fails, as after a copy_."""
+    model = _net(0)
+    _save(root, {"model": model})
+    live = _net(1)
+    loss = (live(torch.randn(2, 64)) ** 2).sum()
+    _restore(root, {"model": live})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
