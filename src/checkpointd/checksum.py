@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable, Sequence
+
 import crc32c as _crc32c
 
-__all__ = ["BytesLike", "crc32c"]
+__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_stream"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -12,3 +15,95 @@ BytesLike = bytes | bytearray | memoryview
 def crc32c(data: BytesLike, value: int = 0) -> int:
     """Return the CRC32C of ``data``, continuing from ``value``; releases the GIL on large inputs."""
     return int(_crc32c.crc32c(data, value))
+
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC32C polynomial (reflected bit order), as in zlib's crc32.c."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+_SHIFTS: dict[int, int] = {}
+
+
+def _shift(length: int) -> int:
+    """x^(8 * length) modulo the polynomial: appending ``length`` bytes to a CRC."""
+    op = _SHIFTS.get(length)
+    if op is None:
+        p, n, k = 1 << 31, length, 3
+        while n:
+            if n & 1:
+                p = _multmodp(_X2N[k & 31], p)
+            n >>= 1
+            k += 1
+        op = p
+        if len(_SHIFTS) < 64:  # the few chunk lengths a process reads with
+            _SHIFTS[length] = op
+    return op
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC32C of A + B from the CRC32C of A, that of B and B's length (zlib's
+    crc32_combine for the Castagnoli polynomial): chunks checksummed in parallel."""
+    return _multmodp(_shift(second_length), first) ^ second
+
+
+Span = tuple[memoryview, int | None]
+"""A piece of a file in order: where its bytes are (or go), and its offset in the file if
+it still has to be read (None: already in memory)."""
+
+
+def crc32c_stream(
+    spans: Sequence[Span],
+    read: Callable[[memoryview, int], None],
+    after: Callable[[int, memoryview], None] | None = None,
+) -> int:
+    """The CRC32C of ``spans`` in order, reading and checksumming on two cores.
+
+    A span with an offset is first filled by ``read(view, offset)``; the next span's
+    read runs in a helper thread while this one is checksummed on the caller's thread
+    (both release the GIL); ``after(i, view)`` then runs on span ``i`` before span
+    ``i + 2`` is read (so two buffers may alternate between spans). Blocking.
+    """
+    digest = 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+
+        def start(i: int) -> concurrent.futures.Future[None] | None:
+            if i >= len(spans):
+                return None
+            view, offset = spans[i]
+            return None if offset is None else pool.submit(read, view, offset)
+
+        pending = start(0)
+        for i, (view, _) in enumerate(spans):
+            if pending is not None:
+                pending.result()
+            pending = start(i + 1)
+            try:
+                digest = crc32c(view, digest)
+                if after is not None:
+                    after(i, view)
+            except BaseException:
+                if pending is not None:
+                    concurrent.futures.wait([pending])
+                raise
+    return digest

@@ -10,12 +10,13 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpointd import catalog, tunables
-from checkpointd.checksum import crc32c
+from checkpointd.checksum import crc32c, crc32c_combine
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -34,6 +35,7 @@ from checkpointd.manifest import (
     step_dirname,
 )
 from checkpointd.storage import Store
+from checkpointd.storage.base import PinnedFile
 
 if TYPE_CHECKING:
     import torch
@@ -93,15 +95,26 @@ class StepReader:
         """
         import torch
 
+        from checkpointd.hostmem import prefault
+
         path = f"{self.folder}/{name}"
         size = self._size(name)
+        # Read, never mapped, even where the store could (capabilities.memory_map): a
+        # tensor over a map pins a deleted checkpoint's disk space for as long as an
+        # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS.
+        # One allocation per file, faulted in by the reading threads (hostmem.py).
+        data = torch.empty(size, dtype=torch.uint8)
         try:
-            # Read, never mapped, even where the store could (capabilities.memory_map): a
-            # tensor over a map pins a deleted checkpoint's disk space for as long as an
-            # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS;
-            # reading measured no slower on a 600 MB checkpoint.
-            data = torch.empty(size, dtype=torch.uint8)
+            large = self.verify and size >= 2 * tunables.READ_CHUNK_BYTES
+            pinned = self.store.open_pinned(path) if large else None
+            if pinned is not None:
+                try:
+                    self._check_digest(name, _read_checked(pinned, data))
+                finally:
+                    pinned.close()
+                return data
             view = data.numpy().data.cast("B")
+            prefault(data.data_ptr(), size)
             self.store.read_into(path, view)
         except StorageNotFoundError:
             raise self._vanished(name) from None
@@ -119,6 +132,12 @@ class StepReader:
 
     def header(self, name: str) -> list[TensorEntry]:
         """The tensor entries of a tensor file, reading only its length prefix and header."""
+        return self.layout(name)[1]
+
+    def layout(self, name: str) -> tuple[int, list[TensorEntry]]:
+        """(where the data region starts, the tensor entries) of a tensor file, after its
+        size check, reading only its length prefix and header (not checked against the
+        file's CRC32C: the caller streams the whole file through it before trusting it)."""
         from checkpointd.header import header_length, parse_safetensors_header
 
         path, at = f"{self.folder}/{name}", f"{self.where}/{name}"
@@ -128,19 +147,37 @@ class StepReader:
             header = self.store.read_bytes(path, 8, length)
         except StorageNotFoundError:
             raise self._vanished(name) from None
-        return parse_safetensors_header(header, size - 8 - length, where=at)
+        return 8 + length, parse_safetensors_header(header, size - 8 - length, where=at)
+
+    def check_digest(self, name: str, actual: int) -> None:
+        """CorruptCheckpointError unless ``actual`` is file ``name``'s CRC32C in the manifest."""
+        self._check_digest(name, actual)
+
+    def vanished(self, name: str) -> CheckpointError:
+        """The error for listed file ``name`` found missing: CheckpointNotFoundError if the
+        whole step was deleted meanwhile, else CorruptCheckpointError."""
+        return self._vanished(name)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
+
+        return self.tensors_of(name, self.read(name))
+
+    def layout_of(self, name: str, data: torch.Tensor) -> tuple[int, list[TensorEntry]]:
+        """As ``layout``, parsed from the whole file ``data`` already read and checked."""
         from checkpointd.header import header_length, parse_safetensors_header
 
-        data = self.read(name)
         where = f"{self.where}/{name}"
         length = header_length(bytes(data[:8].numpy()), data.numel(), where=where)
         start = 8 + length
         entries = parse_safetensors_header(
             bytes(data[8:start].numpy()), data.numel() - start, where=where
         )
+        return start, entries
+
+    def tensors_of(self, name: str, data: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As ``tensors``, from the whole file ``data`` already read and checked."""
+        start, entries = self.layout_of(name, data)
         tensors: dict[str, torch.Tensor] = {}
         for entry in entries:
             chunk = data[start + entry.begin : start + entry.end]
@@ -154,19 +191,30 @@ class StepReader:
         name: str,
         entry: ComponentEntry | None = None,
         templates: Mapping[str, Any] | None = None,
+        *,
+        tree: bytes | None = None,
+        preloaded: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     ) -> Any:
         """The state tree of component ``name``, its tensors read and checked.
 
         Sharded tensors are assembled whole, except those named in ``templates``
         (tensor name -> a live DTensor): each of those comes back as a DTensor like
         its template, holding only this rank's part, read from the shards it overlaps.
+        ``tree``: the component's tree file, already read and checked (else read here).
+        ``preloaded[file]``: the tensors of a tensor file the caller already read and
+        checked (restore's in-place path), used instead of reading that file.
         """
         from checkpointd.format import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = _ComponentTensors(self, entry, templates or {})
-        tree = bytes(self.read(entry.tree).numpy())
+        tensors = _ComponentTensors(self, entry, templates or {}, preloaded or {})
+        if tree is None:
+            tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
+
+    def tree(self, entry: ComponentEntry) -> bytes:
+        """A component's tree file, after its size and digest checks."""
+        return bytes(self.read(entry.tree).numpy())
 
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor:
         """The ``box`` (offsets, shape) of sharded tensor ``name``, read from the shards that
@@ -327,14 +375,46 @@ class StepReader:
         return None
 
 
+def _read_checked(pinned: PinnedFile, data: torch.Tensor) -> int:
+    """Fill ``data`` (fresh memory) from ``pinned`` in chunks, each faulted in, read and
+    checksummed by one of ``tunables.FILE_READ_THREADS`` threads (all three release the
+    GIL); the CRC32C of the whole, combined from the chunks' in order."""
+    from checkpointd.hostmem import prefault
+
+    chunk = tunables.READ_CHUNK_BYTES
+    view = data.numpy().data.cast("B")
+    base = data.data_ptr()
+
+    def work(at: int) -> int:
+        part = view[at : at + chunk]
+        prefault(base + at, len(part))
+        pinned.read_into(part, at)
+        return crc32c(part)
+
+    offsets = range(0, len(view), chunk)
+    with concurrent.futures.ThreadPoolExecutor(tunables.FILE_READ_THREADS) as pool:
+        digests = list(pool.map(work, offsets))
+    digest = 0
+    for at, part in zip(offsets, digests, strict=True):
+        digest = crc32c_combine(digest, part, min(chunk, len(view) - at))
+    return digest
+
+
 class _ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
     plain tensor files all at once on first use, sharded tensors one by one."""
 
-    def __init__(self, reader: StepReader, entry: ComponentEntry, templates: Mapping[str, Any]):
+    def __init__(
+        self,
+        reader: StepReader,
+        entry: ComponentEntry,
+        templates: Mapping[str, Any],
+        preloaded: Mapping[str, Mapping[str, torch.Tensor]],
+    ):
         self.reader = reader
         self.entry = entry
         self.templates = templates
+        self.preloaded = preloaded
         self._plain: dict[str, torch.Tensor] | None = None
 
     def plain(self) -> dict[str, torch.Tensor]:
@@ -342,7 +422,8 @@ class _ComponentTensors(Mapping[str, "torch.Tensor"]):
         if self._plain is None:
             plain: dict[str, torch.Tensor] = {}
             for tensor_file in self.entry.tensors:
-                plain.update(self.reader.tensors(tensor_file))
+                done = self.preloaded.get(tensor_file)
+                plain.update(self.reader.tensors(tensor_file) if done is None else done)
             for tensor, ref in self.entry.refs.items():
                 if tensor in plain:
                     raise CorruptCheckpointError(

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from checkpointd import catalog, tunables
+from checkpointd import catalog, inplace, tunables
 from checkpointd.catalog import list_checkpoints
 from checkpointd.distributed import per_rank_targets
 from checkpointd.errors import (
@@ -248,12 +248,13 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     skipped_steps: tuple[SkippedStep, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Prepared:
-    """One step matched to the targets and read: what ``restore`` loads and reports."""
+    """One step read and checked for restore, no target touched yet."""
 
     step: int
-    checkpoint: Checkpoint
+    info: CheckpointInfo
+    planned: dict[str, inplace.Planned]
     targets: Mapping[str, Any]
     names: list[str]
     missing: tuple[str, ...]
@@ -262,6 +263,7 @@ class _Prepared:
     """Per-rank targets whose components another world size saved (``strict=False``)."""
     unexpected: tuple[str, ...]
     saved_world: int
+    where: str
 
     def skipped_message(self) -> str:
         """What ``strict=False`` left out, in words ("" if nothing)."""
@@ -302,19 +304,88 @@ def _prepare(
         check_restorable(targets[name], name)
     templates = {name: dtensor_templates(name, targets[name], targets) for name in names}
     # The manifest read above is the one the files are checked against: read once.
-    checkpoint = _load_from(
-        store,
-        found_step,
-        manifest,
-        components=names,
-        map_location=None,
-        verify=True,
-        templates=templates,
-    )
+    reader = StepReader(store, found_step, manifest, verify=True)
+    planned: dict[str, inplace.Planned] = {}
+    with concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool:
+        futures = {
+            name: pool.submit(
+                inplace.read_for_restore, reader, name, targets[name], templates[name]
+            )
+            for name in names
+        }
+        try:
+            for name, future in futures.items():
+                planned[name] = future.result()
+        except BaseException:
+            concurrent.futures.wait(futures.values())
+            inplace.release(
+                [f.result() for f in futures.values() if not f.cancelled() and not f.exception()]
+            )
+            raise
+    info = CheckpointInfo.from_manifest(manifest, catalog.step_path(store, found_step))
     saved_world = max((len(keys) for keys in manifest.per_rank.values()), default=1)
     return _Prepared(
-        found_step, checkpoint, targets, names, missing, skipped, unexpected, saved_world
+        found_step,
+        info,
+        planned,
+        targets,
+        names,
+        missing,
+        skipped,
+        unexpected,
+        saved_world,
+        reader.where,
     )
+
+
+def _apply(prepared: _Prepared) -> None:
+    """Fit checks, then load every target (rolled back if one refuses), then land the
+    direct tensors' bytes (inplace.py explains why this order is all or nothing)."""
+    targets, names, planned = prepared.targets, prepared.names, prepared.planned
+    for name in names:
+        check_fits(name, targets[name], planned[name].tree, targets)
+    backups = {
+        name: inplace.backup(targets[name], planned[name])
+        if planned[name].landings
+        else _backup(targets[name])
+        for name in names
+    }
+    touched: list[str] = []
+    try:
+        for name in names:
+            # The target is touched before load_state_dict returns: a module copies
+            # tensors one by one and may raise half way.
+            touched.append(name)
+            load_component(targets[name], planned[name].tree, targets)
+    except Exception as exc:
+        _roll_back(targets, backups, touched)
+        raise RestoreMismatchError(
+            f"component {touched[-1]!r} was rejected by its target ({exc}); nothing was changed"
+        ) from exc
+    except BaseException:
+        _roll_back(targets, backups, touched)
+        raise
+    if lost := [n for n in names if not inplace.still_held(targets[n], planned[n])]:
+        _roll_back(targets, backups, touched)
+        raise CheckpointError(
+            f"target(s) {lost} did not keep their own tensors when loading; nothing was "
+            "changed (please report this as a checkpointd bug)"
+        )
+    landed: list[str] = []
+    try:
+        for name in names:
+            if planned[name].landings:
+                landed.append(name)
+                inplace.land(prepared.where, planned[name])
+    except BaseException as exc:
+        _roll_back(targets, backups, touched)
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt and the like keep their type
+        raise CorruptCheckpointError(
+            f"restore failed while reading tensors into their targets ({exc}); the other "
+            f"state was rolled back, but tensors of {landed} may hold a mix of old and "
+            "restored values"
+        ) from exc
 
 
 def restore(
@@ -348,28 +419,14 @@ def restore(
         prepared, skipped_steps = _newest_good(store, step, attempt)
     finally:
         store.close()
-    checkpoint, targets, names = prepared.checkpoint, prepared.targets, prepared.names
-    for name in names:
-        check_fits(name, targets[name], checkpoint.state[name], targets)
-    backups = {name: _backup(targets[name]) for name in names}
-    touched: list[str] = []
     try:
-        for name in names:
-            # The target is touched before load_state_dict returns: a module copies
-            # tensors one by one and may raise half way.
-            touched.append(name)
-            load_component(targets[name], checkpoint.state[name], targets)
-    except Exception as exc:
-        _roll_back(targets, backups, touched)
-        raise RestoreMismatchError(
-            f"component {touched[-1]!r} was rejected by its target ({exc}); nothing was changed"
-        ) from exc
-    except BaseException:
-        _roll_back(targets, backups, touched)
-        raise
+        _apply(prepared)
+    finally:
+        inplace.release(list(prepared.planned.values()))
+    names = prepared.names
     if skipped := prepared.skipped_message():
         _warn_once(f"restore(strict=False) from step {prepared.step} of {root} skipped {skipped}")
-    info = checkpoint.info
+    info = prepared.info
     return RestoreInfo(
         **{f: getattr(info, f) for f in info.__struct_fields__},
         restored=tuple(names),

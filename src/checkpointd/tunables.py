@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_PENDING",
     "DIRECT_MIN_BYTES",
+    "FILE_READ_THREADS",
     "GC_OLDER_THAN",
     "GRACE_SECONDS",
     "HEARTBEAT_SECONDS",
@@ -68,7 +69,12 @@ READ_THREADS = 4
 """Threads that read and check the files of one checkpoint at once."""
 
 READ_CHUNK_BYTES = 8 * 2**20
-"""Bytes read per call when a file is verified by streaming it."""
+"""Bytes read per call when a file is verified by streaming it, or read in chunks."""
+
+FILE_READ_THREADS = 2
+"""Threads that fault in, read and checksum the chunks of one large local file at once
+(``load``): faulting fresh memory in is most of the cost and it scales with cores; 4
+threads measured no faster than 2 on the 2-vCPU benchmark machine."""
 
 SHARD_BLOCK_BYTES = 8 * 2**20
 """A shard's bytes carry one CRC32C per block of this size (recorded in the manifest),

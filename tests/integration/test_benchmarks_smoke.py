@@ -79,3 +79,25 @@ def test_gpu_staging_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert "D2H floor" in out
     else:
         assert "no CUDA device" in out
+
+
+@pytest.mark.timeout(120)
+def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_restore
+
+    out = tmp_path / "restore.json"
+    assert bench_restore.main(["--smoke", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    for name in (
+        "memcpy",
+        "torch.load",
+        "checkpointd.load",
+        "torch.restore",
+        "checkpointd.restore",
+        "torch.fresh",
+        "checkpointd.fresh",
+    ):
+        assert results["series"][name]["median"] > 0, name
+    assert "restore, fresh process" in results["ratios"]
+    assert "checkpointd / torch" in capsys.readouterr().out
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"

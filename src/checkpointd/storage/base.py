@@ -36,6 +36,7 @@ __all__ = [
     "Capabilities",
     "FileSink",
     "PendingUpload",
+    "PinnedFile",
     "Store",
     "check_relpath",
     "translate_errors",
@@ -119,6 +120,17 @@ class PendingUpload:
     upload_id: str
     modified: float
     """When it was started or last received a part (Unix seconds)."""
+
+
+class PinnedFile(Protocol):
+    """An open file that keeps showing the same file even if it is deleted or renamed
+    meanwhile (a POSIX descriptor): ``Store.open_pinned``. Call ``close`` once when
+    done; ``read_into`` may be called from any thread, also concurrently."""
+
+    def read_into(self, buffer: memoryview, offset: int = 0) -> None:
+        """Fill ``buffer`` from byte ``offset``; a short file raises StorageError."""
+
+    def close(self) -> None: ...
 
 
 class FileSink(Protocol):
@@ -274,6 +286,14 @@ class Store(ABC):
         buffer = bytearray(size)
         self.read_into(path, memoryview(buffer), offset)
         return bytes(buffer)
+
+    def open_pinned(self, path: str) -> PinnedFile | None:
+        """``path`` opened so that later reads see this file even if it is deleted or
+        renamed meanwhile, or None where the store cannot promise that (the default).
+
+        ``restore`` checks a file through a small buffer, then reads it again straight
+        into live tensors: only a pinned file guarantees both reads see the same file."""
+        return None
 
     def map_file(self, path: str) -> mmap.mmap:
         """A private (copy-on-write) memory map of regular file ``path``, non-empty.

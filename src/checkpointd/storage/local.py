@@ -23,6 +23,7 @@ from checkpointd.storage.base import (
     TEMP_MARKER,
     Capabilities,
     FileSink,
+    PinnedFile,
     Store,
     check_relpath,
     translate_errors,
@@ -109,16 +110,16 @@ class LocalStore(Store):
         with translate_errors("read", target):
             fd = self._open_regular(target)
             try:
-                done = 0
-                while done < len(buffer):
-                    n = os.preadv(fd, [buffer[done:]], offset + done)
-                    if n == 0:
-                        raise StorageError(
-                            errno.EIO, f"read {target}: file is shorter than expected"
-                        )
-                    done += n
+                _pread_all(fd, buffer, offset, target)
             finally:
                 os.close(fd)
+
+    def open_pinned(self, path: str) -> PinnedFile:
+        """An open descriptor on regular file ``path``: deleting or renaming the file
+        (retention, gc) does not change what it reads."""
+        target = self._abs(path)
+        with translate_errors("open", target):
+            return _PinnedLocal(self._open_regular(target), target)
 
     def map_file(self, path: str) -> mmap.mmap:
         """A private (copy-on-write) memory map of regular file ``path``, non-empty.
@@ -171,6 +172,33 @@ class LocalStore(Store):
             except FileNotFoundError:
                 return
             _fsync_dir(os.path.dirname(target))
+
+
+def _pread_all(fd: int, buffer: memoryview, offset: int, target: str) -> None:
+    """Fill ``buffer`` from ``fd`` at ``offset`` (positional reads, no shared file offset)."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            raise StorageError(errno.EIO, f"read {target}: file is shorter than expected")
+        done += n
+
+
+class _PinnedLocal:
+    """``LocalStore.open_pinned``: positional reads on one descriptor, any thread."""
+
+    def __init__(self, fd: int, target: str) -> None:
+        self._fd = fd
+        self._target = target
+
+    def read_into(self, buffer: memoryview, offset: int = 0) -> None:
+        with translate_errors("read", self._target):
+            _pread_all(self._fd, buffer, offset, self._target)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
