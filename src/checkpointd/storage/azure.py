@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,13 +29,12 @@ import aiohttp
 import azure.core.exceptions as azure_errors
 
 from checkpointd.errors import (
-    CheckpointExistsError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
 )
 from checkpointd.storage.base import Capabilities, translate_errors
-from checkpointd.storage.conditional import probe_exclusive_create, probe_key
+from checkpointd.storage.conditional import ConditionalCreateStore
 from checkpointd.storage.fsspec import FsspecStore, timestamp
 
 __all__ = ["PROTOCOLS", "AzureStore", "refused_as_existing"]
@@ -44,7 +42,7 @@ __all__ = ["PROTOCOLS", "AzureStore", "refused_as_existing"]
 PROTOCOLS = ("az", "abfs")
 
 
-class AzureStore(FsspecStore):
+class AzureStore(ConditionalCreateStore):
     """A root ``az://container/prefix`` through adlfs (see the module doc)."""
 
     backend_errors = (
@@ -52,6 +50,7 @@ class AzureStore(FsspecStore):
         azure_errors.AzureError,
         aiohttp.ClientError,
     )
+    probe_errors = (OSError, *backend_errors)
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url
@@ -61,8 +60,7 @@ class AzureStore(FsspecStore):
         with self._translating("open", url):
             self.fs: Any = adlfs.AzureBlobFileSystem(**dict(storage_options or {}))
             self.root: str = str(adlfs.AzureBlobFileSystem._strip_protocol(url)).strip("/")
-        self._lock = threading.Lock()
-        self._exclusive: bool | None = None
+        self._start_probing()
         with self._translating("open", url):
             self._check_container()
 
@@ -70,22 +68,6 @@ class AzureStore(FsspecStore):
     def capabilities(self) -> Capabilities:
         """Blob times; exclusive create None until probed."""
         return Capabilities(exclusive_create=self._exclusive, modification_times=True)
-
-    @property
-    def exclusive_create(self) -> bool:
-        """Probed once per store (on first publish): does ``If-None-Match: *`` refuse an
-        existing blob? The probe writes and removes one blob under the root."""
-        with self._lock:
-            if self._exclusive is None:
-                with self._translating("probe exclusive create under", self.root):
-                    self._exclusive = probe_exclusive_create(
-                        self._put,
-                        self.fs.rm_file,
-                        probe_key(self.root),
-                        refused_as_existing,
-                        (OSError, *self.backend_errors),
-                    )
-            return self._exclusive
 
     def _translating(self, action: str, path: str) -> contextlib.AbstractContextManager[None]:
         return _translate_azure(action, path, self.backend_errors)
@@ -110,6 +92,9 @@ class AzureStore(FsspecStore):
         """One upload, with ``If-None-Match: *`` if ``exclusive``; raw adlfs errors."""
         self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
 
+    def _refused_as_existing(self, exc: BaseException) -> bool:
+        return refused_as_existing(exc)
+
     def _info(self, target: str) -> dict[str, Any]:
         """The blob's own properties: adlfs would answer from the last listing otherwise."""
         return dict(self.fs.info(target, refresh=True))
@@ -125,19 +110,6 @@ class AzureStore(FsspecStore):
             if info.get("type") != "file":
                 raise StorageNotFoundError(errno.ENOENT, f"stat {target}: not a file")
         return timestamp(info.get("last_modified"))
-
-    def _publish_exclusive(self, path: str, data: bytes) -> None:
-        target = self._abs(path)
-        with self._translating("publish", target):
-            try:
-                self._put(target, data, exclusive=True)
-            except OSError as exc:
-                if not refused_as_existing(exc):
-                    raise
-                # A retried upload whose first attempt landed sees its own blob: success.
-                if self._holds(path, data):
-                    return
-                raise CheckpointExistsError(f"{self.url}/{path} already exists") from None
 
 
 def refused_as_existing(exc: BaseException) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,13 +32,12 @@ import google.auth.exceptions
 import requests.exceptions
 
 from checkpointd.errors import (
-    CheckpointExistsError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
 )
 from checkpointd.storage.base import Capabilities, translate_errors
-from checkpointd.storage.conditional import probe_exclusive_create, probe_key
+from checkpointd.storage.conditional import ConditionalCreateStore
 from checkpointd.storage.fsspec import FsspecStore
 
 __all__ = ["PROTOCOLS", "GCSStore", "refused_as_existing"]
@@ -47,7 +45,7 @@ __all__ = ["PROTOCOLS", "GCSStore", "refused_as_existing"]
 PROTOCOLS = ("gs", "gcs")
 
 
-class GCSStore(FsspecStore):
+class GCSStore(ConditionalCreateStore):
     """A root ``gs://bucket/prefix`` through gcsfs (see the module doc)."""
 
     backend_errors = (
@@ -58,6 +56,7 @@ class GCSStore(FsspecStore):
         aiohttp.ClientError,
         requests.exceptions.RequestException,
     )
+    probe_errors = (OSError, *backend_errors, ValueError)
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url
@@ -67,8 +66,7 @@ class GCSStore(FsspecStore):
         with self._translating("open", url):
             self.fs: Any = gcsfs.core.GCSFileSystem(**dict(storage_options or {}))
         self.root: str = rest.strip("/")
-        self._lock = threading.Lock()
-        self._exclusive: bool | None = None
+        self._start_probing()
         with self._translating("open", url):
             self._check_bucket()
 
@@ -76,22 +74,6 @@ class GCSStore(FsspecStore):
     def capabilities(self) -> Capabilities:
         """Object times; exclusive create None until probed."""
         return Capabilities(exclusive_create=self._exclusive, modification_times=True)
-
-    @property
-    def exclusive_create(self) -> bool:
-        """Probed once per store (on first publish): does ``ifGenerationMatch=0`` refuse
-        an existing object? The probe writes and removes one object under the root."""
-        with self._lock:
-            if self._exclusive is None:
-                with self._translating("probe exclusive create under", self.root):
-                    self._exclusive = probe_exclusive_create(
-                        self._put,
-                        self.fs.rm_file,
-                        probe_key(self.root),
-                        refused_as_existing,
-                        (OSError, *self.backend_errors, ValueError),
-                    )
-            return self._exclusive
 
     def _translating(self, action: str, path: str) -> contextlib.AbstractContextManager[None]:
         return _translate_gcs(action, path, self.backend_errors)
@@ -115,22 +97,12 @@ class GCSStore(FsspecStore):
         """One upload, with ``ifGenerationMatch=0`` if ``exclusive``; raw gcsfs errors."""
         self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
 
+    def _refused_as_existing(self, exc: BaseException) -> bool:
+        return refused_as_existing(exc)
+
     def make_dir(self, path: str) -> None:
         """Folders are implicit on GCS, and gcsfs's makedirs would create a missing bucket."""
         self._abs(path)
-
-    def _publish_exclusive(self, path: str, data: bytes) -> None:
-        target = self._abs(path)
-        with self._translating("publish", target):
-            try:
-                self._put(target, data, exclusive=True)
-            except OSError as exc:
-                if not refused_as_existing(exc):
-                    raise
-                # A retried upload whose first attempt landed sees its own object: success.
-                if self._holds(path, data):
-                    return
-                raise CheckpointExistsError(f"{self.url}/{path} already exists") from None
 
 
 @contextlib.contextmanager

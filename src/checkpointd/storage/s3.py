@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import secrets
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,21 +22,19 @@ import botocore.exceptions
 
 from checkpointd import tunables
 from checkpointd.errors import (
-    CheckpointExistsError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
 )
 from checkpointd.storage.base import Capabilities, FileSink, PendingUpload
+from checkpointd.storage.conditional import ConditionalCreateStore
 from checkpointd.storage.fsspec import FsspecStore, TranslatingSink, timestamp
 from checkpointd.storage.s3upload import ParallelUploadSink, choose_part_size
 
-__all__ = ["PROBE_PREFIX", "S3Store", "refused_as_existing"]
-
-PROBE_PREFIX = ".checkpointd-probe-"
+__all__ = ["S3Store", "refused_as_existing"]
 
 
-class S3Store(FsspecStore):
+class S3Store(ConditionalCreateStore):
     """A root ``s3://bucket/prefix`` through s3fs (see the module doc)."""
 
     backend_errors = (
@@ -53,8 +49,7 @@ class S3Store(FsspecStore):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
-        self._lock = threading.Lock()
-        self._exclusive: bool | None = None
+        self._start_probing()
         with self._translating("open", url):
             self._check_bucket()
 
@@ -64,16 +59,6 @@ class S3Store(FsspecStore):
         return Capabilities(
             exclusive_create=self._exclusive, modification_times=True, pending_uploads=True
         )
-
-    @property
-    def exclusive_create(self) -> bool:
-        """Probed once per store (on first publish): does ``If-None-Match: *`` refuse an
-        existing key? The probe writes and removes one key under the root."""
-        with self._lock:
-            if self._exclusive is None:
-                with self._translating("probe exclusive create under", self.root):
-                    self._exclusive = self._probe_exclusive_create()
-            return self._exclusive
 
     def _check_bucket(self) -> None:
         """Raise unless the root's bucket exists and is reachable; never creates it."""
@@ -96,30 +81,8 @@ class S3Store(FsspecStore):
         """One PUT, with ``If-None-Match: *`` if ``exclusive``; raw s3fs errors."""
         self.fs.pipe_file(target, data, mode="create" if exclusive else "overwrite")
 
-    def _probe_exclusive_create(self) -> bool:
-        """True if a PUT with ``If-None-Match: *`` refuses a key that exists.
-
-        Creates a fresh probe key, then tries again exclusively: that second try
-        must be refused. A server that rejects the header outright (while a plain
-        PUT works) lacks it too. Errors of a plain PUT propagate. The probe key is
-        removed (best effort)."""
-        key = f"{self.root}/{PROBE_PREFIX}{secrets.token_hex(8)}"
-        try:
-            try:
-                self._put(key, b"probe", True)
-            except OSError:
-                self._put(key, b"probe", False)
-                return False
-            try:
-                self._put(key, b"probe again", True)
-            except OSError as exc:
-                if refused_as_existing(exc):
-                    return True
-                raise
-            return False
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(key)
+    def _refused_as_existing(self, exc: BaseException) -> bool:
+        return refused_as_existing(exc)
 
     def make_dir(self, path: str) -> None:
         """Folders are implicit on S3, and s3fs's makedirs would create a missing bucket."""
@@ -136,19 +99,6 @@ class S3Store(FsspecStore):
             self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
         )
         return TranslatingSink(self, sink, target)
-
-    def _publish_exclusive(self, path: str, data: bytes) -> None:
-        target = self._abs(path)
-        with self._translating("publish", target):
-            try:
-                self._put(target, data, exclusive=True)
-            except OSError as exc:
-                if not refused_as_existing(exc):
-                    raise
-                # A retried PUT whose first attempt landed sees its own object: success.
-                if self._holds(path, data):
-                    return
-                raise CheckpointExistsError(f"{target} already exists") from None
 
     def pending_uploads(self) -> list[PendingUpload]:
         """Incomplete multipart uploads whose key lies under the root."""
