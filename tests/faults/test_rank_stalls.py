@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import checkpointd
-from tests.support.launch import REPO, free_port
+from tests.support.launch import free_port, start_ranks
 
 WORLD = 2
 
@@ -29,31 +27,10 @@ WORLD = 2
 @contextlib.contextmanager
 def _ranks(scenario: str, root: Path, out: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Both ranks of ``scenario`` on a store this process hosts; killed at exit."""
-    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    logs = [(out / f"stderr{rank}.txt").open("wb") for rank in range(WORLD)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.support.stall_job",
-                scenario,
-                str(root),
-                str(out),
-                str(rank),
-                str(WORLD),
-                str(port),
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=logs[rank],
-        )
-        for rank in range(WORLD)
-    ]
+    args = [scenario, str(root), str(out)]
+    procs, logs = start_ranks("tests.support.stall_job", args, out, WORLD, port)
     try:
         yield procs
     finally:

@@ -20,20 +20,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(
+def start_ranks(
     module: str,
     args: Sequence[str],
     out: Path,
     world: int,
+    port: int,
     *,
     env: Mapping[str, str] | None = None,
-    timeout: float = 90,
-) -> list[dict[str, Any] | None]:
-    """Run ``python -m module *args RANK WORLD PORT`` for every rank (stderr to
-    OUT/stderrR.txt); wait for all, kill stragglers after ``timeout`` seconds; return
-    each rank's OUT/rankR.json (None where it wrote none)."""
+) -> tuple[list[subprocess.Popen[bytes]], list[Any]]:
+    """Start ``python -m module *args RANK WORLD PORT`` for every rank (stderr to
+    OUT/stderrR.txt); return the processes and their open log files."""
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     full_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
@@ -50,6 +48,22 @@ def run_ranks(
         )
         for rank in range(world)
     ]
+    return procs, logs
+
+
+def run_ranks(
+    module: str,
+    args: Sequence[str],
+    out: Path,
+    world: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 90,
+) -> list[dict[str, Any] | None]:
+    """Run ``python -m module *args RANK WORLD PORT`` for every rank (stderr to
+    OUT/stderrR.txt); wait for all, kill stragglers after ``timeout`` seconds; return
+    each rank's OUT/rankR.json (None where it wrote none)."""
+    procs, logs = start_ranks(module, args, out, world, free_port(), env=env)
     try:
         for proc in procs:
             proc.wait(timeout=timeout)
