@@ -43,7 +43,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from checkpointd.capture import StagingBuffer
-from checkpointd.catalog import list_checkpoints
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.handle import SaveHandle
+from checkpointd.lightning_paths import checkpoint_root, last_checkpoint
 from checkpointd.removal import (
     Awaited,
     due,
@@ -81,7 +80,6 @@ _RNG = "rng"
 # writer lets retention drop its older step at once (another writer's fresh commits
 # are kept for a grace window); ``last.ckpt`` is saved every time and stays open.
 _OPEN_WRITERS = 4
-_LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's last.ckpt, last-v1.ckpt
 _REFUSED = ("keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "retention")
 
 
@@ -104,50 +102,6 @@ if TYPE_CHECKING:
 else:
     _found = _bases()
     _Base = _found[0] if len(_found) == 1 else type("_CheckpointIOBases", _found, {})
-
-
-def checkpoint_root(path: str | os.PathLike[str]) -> str:
-    """The checkpointd root a Lightning checkpoint path stands for: a URL as is, a
-    local path made absolute with symlinks resolved."""
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        return text
-    text = text.removeprefix("file://")
-    return os.path.realpath(text)
-
-
-def last_checkpoint(
-    dirpath: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
-) -> str | None:
-    """The ``last*.ckpt`` root under ``dirpath`` committed most recently, as a path or URL
-    for ``Trainer.fit(ckpt_path=...)``; None if there is none.
-
-    For S3 and other URLs, where ``ckpt_path="last"`` finds nothing: Lightning lists
-    ``dirpath`` with its own filesystem and drops the ``s3://`` of what it finds, then
-    looks for those names on the local disk. Called from any thread."""
-    text = os.fspath(dirpath)
-    if "://" in text and not text.startswith("file://"):
-        import fsspec
-
-        fs, target = fsspec.core.url_to_fs(text, **(storage_options or {}))
-        try:
-            listed = fs.ls(target, detail=False)
-        except FileNotFoundError:
-            listed = []
-        names = [str(n).rstrip("/").rpartition("/")[2] for n in listed]
-        base = text.rstrip("/")
-    else:
-        base = checkpoint_root(text)
-        names = os.listdir(base) if os.path.isdir(base) else []
-    newest: tuple[Any, str] | None = None
-    for name in names:
-        if not _LAST.match(name):
-            continue
-        url = f"{base}/{name}"
-        infos = list_checkpoints(url, storage_options=storage_options)
-        if infos and (newest is None or infos[-1].created_at > newest[0]):
-            newest = (infos[-1].created_at, url)
-    return None if newest is None else newest[1]
 
 
 class _PooledWriter(CheckpointWriter):
