@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from checkpointd import cli_service
 from checkpointd.cli_format import (
     metrics_text,
     progress_bar,
@@ -407,6 +408,8 @@ _HANDLERS: dict[str, Command] = {
     "gc": _cmd_gc,
     "export": _cmd_export,
     "import": _cmd_import,
+    "serve": cli_service.cmd_serve,
+    "status": cli_service.cmd_status,
 }
 
 

@@ -55,6 +55,7 @@ from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.handle import SaveHandle
 from checkpointd.restore import load
 from checkpointd.rng import RNGState
+from checkpointd.service import WriteService
 from checkpointd.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
@@ -154,6 +155,7 @@ class _PooledWriter(CheckpointWriter):
 
     def _start(self) -> None:
         """Swap the service's new buffers for pooled ones before its loop starts."""
+        assert isinstance(self._service, WriteService)  # never through the checkpoint service
         buffers = self._service._buffers
         for i in range(len(buffers)):
             if self._pool:
@@ -165,6 +167,7 @@ class _PooledWriter(CheckpointWriter):
         try:
             super().close()
         finally:
+            assert isinstance(self._service, WriteService)
             self._pool.extend(self._service._buffers)
             self._service._buffers = []
 

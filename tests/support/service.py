@@ -1,0 +1,149 @@
+"""A real ``checkpointd serve`` process for tests, and trainer subprocesses that use it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from checkpointd.daemon.client import Connection
+from checkpointd.errors import ServiceError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this checkout's code first."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        **extra,
+    }
+
+
+def wait_answers(
+    socket: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Block until a service answers at ``socket``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            Connection(socket).close()
+            return
+        except ServiceError:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the service exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@dataclass
+class Service:
+    """A running ``checkpointd serve``: its process, socket and log."""
+
+    proc: subprocess.Popen[bytes]
+    socket: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def socket_folder() -> str:
+    """A fresh 0700 folder with a short path (a socket path has at most 107 bytes)."""
+    return tempfile.mkdtemp(prefix="ckd-", dir="/tmp")
+
+
+def start_service(folder: str, *args: str) -> Service:
+    """``checkpointd serve --socket FOLDER/sock *args``, once it answers."""
+    socket = os.path.join(folder, "sock")
+    log = Path(folder) / "serve.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket, *args],
+            env=child_env(),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        wait_answers(socket, proc=proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return Service(proc, socket, log)
+
+
+@pytest.fixture
+def service_folder() -> Iterator[str]:
+    folder = socket_folder()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def service(service_folder: str) -> Iterator[Service]:
+    """A service with the default options (keeps 1 checkpoint per root in memory)."""
+    running = start_service(service_folder)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code *args`` with this checkout's code; its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def files_by_component(root: Path, step: int) -> dict[str, bytes]:
+    """Each file of a committed step by component and kind (names carry a random token)."""
+    import msgspec
+
+    folder = root / f"{step:012d}"
+    manifest = msgspec.json.decode((folder / "manifest.json").read_bytes())
+    found: dict[str, bytes] = {}
+    for name, entry in manifest["components"].items():
+        found[f"{name}.tree"] = (folder / entry["tree"]).read_bytes()
+        for i, tensors in enumerate(entry["tensors"]):
+            found[f"{name}.tensors{i}"] = (folder / tensors).read_bytes()
+    return found
+
+
+def args_list(values: Sequence[object]) -> list[str]:
+    return [str(v) for v in values]
