@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,20 @@ import torch
 
 import checkpointd
 from checkpointd.errors import InvalidArgumentError, ServiceError
-from tests.support.service import (  # noqa: F401 - fixtures
+from tests.support.service import (
     REPO,
     Service,
     child_env,
     files_by_component,
-    service,
-    service_folder,
+    running_service,
+    socket_folder,
 )
+
+
+@pytest.fixture
+def service() -> Iterator[Service]:
+    with running_service() as running:
+        yield running
 
 
 def _state(seed: int = 0) -> dict[str, object]:
@@ -44,11 +51,13 @@ def test_files_are_byte_identical_to_an_in_process_save(service: Service, tmp_pa
     with checkpointd.CheckpointWriter(str(tmp_path / "svc"), service=service.socket) as writer:
         handle = writer.save(5, state, metrics={"loss": 0.25}, metadata={"run": "a"})
         info = handle.result(30)
-    assert info.step == 5 and info.metrics == {"loss": 0.25}
+    assert info.step == 5
+    assert info.metrics == {"loss": 0.25}
     assert files_by_component(tmp_path / "svc", 5) == files_by_component(tmp_path / "inproc", 5)
     loaded = checkpointd.load(str(tmp_path / "svc"))
     assert torch.equal(loaded.state["extra"]["ids"], torch.arange(10))
-    assert loaded.state["extra"]["pair"] == (1, "x") and loaded.state["extra"]["big"] == 2**70
+    assert loaded.state["extra"]["pair"] == (1, "x")
+    assert loaded.state["extra"]["big"] == 2**70
 
 
 def test_retention_and_step_order_as_in_process(service: Service, tmp_path: Path) -> None:
@@ -77,8 +86,10 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
             check=True,
         )
         status = json.loads(shown.stdout)
-    assert status["clients"] == 1 and status["saves_in_flight"] == 0
-    assert status["bytes_kept"] > 0 and status["committed"] == 1
+    assert status["clients"] == 1
+    assert status["saves_in_flight"] == 0
+    assert status["bytes_kept"] > 0
+    assert status["committed"] == 1
     (kept,) = status["kept"].values()
     assert kept == [1]
     text = subprocess.run(
@@ -90,7 +101,8 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
         timeout=60,
         check=True,
     ).stdout
-    assert "saves in flight: 0" in text and "steps 1" in text
+    assert "saves in flight: 0" in text
+    assert "steps 1" in text
 
 
 def test_unsupported_options_are_refused_clearly(service: Service, tmp_path: Path) -> None:
@@ -99,6 +111,10 @@ def test_unsupported_options_are_refused_clearly(service: Service, tmp_path: Pat
             checkpointd.CheckpointWriter(str(tmp_path), service=service.socket, **options)  # type: ignore[arg-type]
 
 
-def test_no_service_at_a_path_is_a_service_error(service_folder: str, tmp_path: Path) -> None:
-    with pytest.raises(ServiceError, match="no checkpoint service answers"):
-        checkpointd.CheckpointWriter(str(tmp_path), service=os.path.join(service_folder, "sock"))
+def test_no_service_at_a_path_is_a_service_error(tmp_path: Path) -> None:
+    folder = socket_folder()
+    try:
+        with pytest.raises(ServiceError, match="no checkpoint service answers"):
+            checkpointd.CheckpointWriter(str(tmp_path), service=os.path.join(folder, "sock"))
+    finally:
+        os.rmdir(folder)

@@ -9,10 +9,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from checkpointd.daemon.client import Connection
 from checkpointd.errors import ServiceError
@@ -99,23 +98,19 @@ def start_service(folder: str, *args: str) -> Service:
     return Service(proc, socket, log)
 
 
-@pytest.fixture
-def service_folder() -> Iterator[str]:
+@contextmanager
+def running_service(*args: str) -> Iterator[Service]:
+    """A service in a fresh socket folder for the block; stopped (and the folder
+    removed) after."""
     folder = socket_folder()
     try:
-        yield folder
+        running = start_service(folder, *args)
+        try:
+            yield running
+        finally:
+            running.stop()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-def service(service_folder: str) -> Iterator[Service]:
-    """A service with the default options (keeps 1 checkpoint per root in memory)."""
-    running = start_service(service_folder)
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
