@@ -76,13 +76,17 @@ def socket_folder() -> str:
     return tempfile.mkdtemp(prefix="ckd-", dir="/tmp")
 
 
-def start_service(folder: str, *args: str) -> Service:
-    """``checkpointd serve --socket FOLDER/sock *args``, once it answers."""
+def start_service(folder: str, *args: str, gate: str | None = None) -> Service:
+    """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
+    every save's writes wait until that file exists (service_jobs.held_serve)."""
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
+    command = ["-m", "checkpointd", "serve"]
+    if gate is not None:
+        command = ["-m", "tests.support.service_jobs", "held-serve", gate, "--"]
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket, *args],
+            [sys.executable, *command, "--socket", socket, *args],
             env=child_env(),
             cwd=REPO,
             stdin=subprocess.DEVNULL,
@@ -99,18 +103,52 @@ def start_service(folder: str, *args: str) -> Service:
 
 
 @contextmanager
-def running_service(*args: str) -> Iterator[Service]:
+def running_service(*args: str, gate: str | None = None) -> Iterator[Service]:
     """A service in a fresh socket folder for the block; stopped (and the folder
     removed) after."""
     folder = socket_folder()
     try:
-        running = start_service(folder, *args)
+        running = start_service(folder, *args, gate=gate)
         try:
             yield running
         finally:
             running.stop()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def trainer(socket: str, root: str, steps: int, *extra: str) -> subprocess.Popen[str]:
+    """A trainer subprocess (service_jobs.trainer), its stdout a pipe of lines."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.service_jobs",
+            "trainer",
+            socket,
+            root,
+            str(steps),
+            *extra,
+        ],
+        env=child_env(),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def reap(proc: subprocess.Popen[str]) -> str:
+    """Kill ``proc`` if it still runs, wait for it, close its pipes; its stderr."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    err = proc.stderr.read() if proc.stderr is not None else ""
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return err
 
 
 def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
