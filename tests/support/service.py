@@ -117,7 +117,9 @@ def running_service(*args: str, gate: str | None = None) -> Iterator[Service]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def trainer(socket: str, root: str, steps: int, *extra: str) -> subprocess.Popen[str]:
+def trainer(
+    socket: str, root: str, steps: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """A trainer subprocess (service_jobs.trainer), its stdout a pipe of lines."""
     return subprocess.Popen(
         [
@@ -130,7 +132,7 @@ def trainer(socket: str, root: str, steps: int, *extra: str) -> subprocess.Popen
             str(steps),
             *extra,
         ],
-        env=child_env(),
+        env=child_env(**(env or {})),
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -144,7 +146,7 @@ def reap(proc: subprocess.Popen[str]) -> str:
     if proc.poll() is None:
         proc.kill()
     proc.wait()
-    err = proc.stderr.read() if proc.stderr is not None else ""
+    err = proc.stderr.read() if proc.stderr is not None and not proc.stderr.closed else ""
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()

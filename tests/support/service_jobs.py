@@ -47,6 +47,9 @@ def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
             writer.save(step, {"model": expected_state(step)})
             print(f"returned {step}", flush=True)
         writer.wait()
+    from checkpointd.daemon.client import status
+
+    print(f"service pid {status(socket).pid}", flush=True)
 
 
 def held_serve(gate: str, serve_args: list[str]) -> None:

@@ -187,22 +187,26 @@ def _start_and_connect(path: str) -> Connection:
         command = [sys.executable, "-m", "checkpointd", "serve", "--socket", path]
         command += ["--idle-exit", idle]
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                command,
+            # sh starts the service in the background and exits at once: the service is
+            # nobody's child here (no zombie, no handle to reap), in a session of its own
+            # (not killed with the trainer's process group), stdin /dev/null, output to log.
+            starter = subprocess.Popen(
+                ["/bin/sh", "-c", 'exec "$@" &', "checkpointd-start", *command],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                start_new_session=True,  # not killed with the trainer's process group
+                start_new_session=True,
                 close_fds=True,
             )
+            starter.wait()
         deadline = time.monotonic() + START_SECONDS
         while True:
             with contextlib.suppress(ServiceError):
                 return Connection(path)
-            if process.poll() is not None or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise ServiceError(
-                    f"the checkpoint service started at {path} did not answer "
-                    f"(exit status {process.poll()}); see {log_path}"
+                    f"the checkpoint service started at {path} did not answer within "
+                    f"{START_SECONDS:g}s; see {log_path}"
                 )
             time.sleep(0.05)
     finally:
