@@ -118,3 +118,43 @@ def test_no_service_at_a_path_is_a_service_error(tmp_path: Path) -> None:
             checkpointd.CheckpointWriter(str(tmp_path), service=os.path.join(folder, "sock"))
     finally:
         os.rmdir(folder)
+
+
+def test_status_does_not_import_torch(service: Service) -> None:
+    code = (
+        "import sys\n"
+        "from checkpointd import cli\n"
+        "assert cli.main(['status', '--socket', sys.argv[1], '--json']) == 0\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, service.socket],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["saves_in_flight"] == 0
+
+
+def test_status_without_a_service_is_one_clear_line() -> None:
+    folder = socket_folder()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "checkpointd", "status", "--socket", f"{folder}/sock"],
+            env=child_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.rmdir(folder)
+    assert done.returncode == 1
+    assert done.stderr.startswith("checkpointd status: error: no checkpoint service answers")
+    assert len(done.stderr.splitlines()) == 1
