@@ -53,14 +53,14 @@ def _start_service(folder: str) -> subprocess.Popen[bytes]:
     from checkpointd.errors import ServiceError
 
     socket = os.path.join(folder, "sock")
-    log = open(os.path.join(folder, "serve.log"), "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=log,
-    )
+    with open(os.path.join(folder, "serve.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
     deadline = time.monotonic() + 60
     while True:
         try:
