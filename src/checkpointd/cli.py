@@ -46,6 +46,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         width=args.width,
         keep_last=args.keep_last,
         storage_options=storage_options(args),
+        service=args.service,
     )
     run_demo(config, out=lambda line: print(line, flush=True))
     return 0

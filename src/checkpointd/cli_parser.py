@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--width", type=int, default=512, help="hidden width of the model (default 512)"
     )
     demo.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
+    demo.add_argument(
+        "--service",
+        metavar="SOCKET",
+        help='save and resume through the checkpoint service at SOCKET (or "auto")',
+    )
 
     root_help = "checkpoint root: a local path or an fsspec URL (s3://bucket/prefix)"
     ls = commands.add_parser("ls", parents=[common], help="list committed checkpoints")

@@ -41,6 +41,8 @@ class DemoConfig:
     keep_last: int = 3
     seed: int = 0
     storage_options: Mapping[str, Any] | None = None
+    service: str | None = None
+    """Save (and resume) through the checkpoint service at this socket, or "auto"."""
 
 
 def _model(width: int) -> nn.Module:
@@ -85,9 +87,11 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
     }
     existing = list_checkpoints(config.root, storage_options=config.storage_options)
     if existing:
-        info = restore(config.root, state, storage_options=config.storage_options)
+        info = restore(
+            config.root, state, storage_options=config.storage_options, service=config.service
+        )
         out(
-            f"resumed from step {info.step} at {info.path} "
+            f"resumed from step {info.step} at {info.path} from {info.source} "
             f"(epoch {progress.epoch}, batch {progress.batch_in_epoch} of the epoch)"
         )
     else:
@@ -112,7 +116,10 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
     loss_fn = nn.MSELoss()
     saved = progress.step
     with CheckpointWriter(
-        config.root, storage_options=config.storage_options, keep_last=config.keep_last
+        config.root,
+        storage_options=config.storage_options,
+        keep_last=config.keep_last,
+        service=config.service,
     ) as writer:
         started = time.perf_counter()
         target = progress.step + config.steps
