@@ -56,7 +56,7 @@ class HeldCheckpoint:
 
     @property
     def nbytes(self) -> int:
-        return self.segment.size
+        return self.segment.capacity
 
 
 @dataclass

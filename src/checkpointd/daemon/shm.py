@@ -24,16 +24,26 @@ class MappedSegment:
     def __init__(self, ident: int, size: int) -> None:
         self.ident = ident
         self.size = size
+        self.capacity = max(size, 1)
+        """Bytes the memfd holds (at least ``size``: a reused segment may be larger)."""
         try:
             self.fd = os.memfd_create(f"checkpointd-{ident}", os.MFD_CLOEXEC)
         except OSError as exc:
             raise ServiceError(f"cannot create a shared-memory segment: {exc}") from exc
         try:
             os.ftruncate(self.fd, max(size, 1))
-            self.map = mmap.mmap(self.fd, max(size, 1))
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, max(size, 1), flags=flags)
         except BaseException:
             os.close(self.fd)
             raise
+
+    def reuse(self, ident: int, size: int) -> MappedSegment:
+        """This segment's memory (already faulted in) as segment ``ident`` of ``size``
+        bytes (at most its capacity). The old contents stay until overwritten."""
+        assert size <= self.capacity
+        self.ident, self.size = ident, size
+        return self
 
     def view(self) -> memoryview:
         """The segment's bytes (valid while the segment is open)."""
@@ -60,7 +70,9 @@ def map_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:
         actual = os.fstat(fd).st_size
         if actual < max(size, 1):
             raise ServiceError(f"a segment of {actual} bytes came where {size} were announced")
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        return mmap.mmap(fd, max(size, 1), access=access)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # MAP_POPULATE: the pages are mapped in one go, not faulted in one by one
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
     finally:
         os.close(fd)
