@@ -25,7 +25,7 @@ import checkpointd
 from checkpointd.daemon import protocol as p
 from checkpointd.daemon.client import Connection, status
 from checkpointd.daemon.paths import check_folder, peer_uid
-from checkpointd.errors import ServiceError
+from checkpointd.errors import ServiceError, ServiceMemoryError
 from tests.support.service import (
     REPO,
     Service,
@@ -276,3 +276,15 @@ def test_loose_or_foreign_socket_folders_are_refused(tmp_path: Path) -> None:
     with left, right:
         assert peer_uid(left) == os.getuid()
     assert stat.S_IMODE(os.stat(tmp_path).st_mode) is not None
+
+
+def test_an_impossible_allocation_is_refused_and_the_connection_lives(service: Service) -> None:
+    conn = Connection(service.socket)
+    try:
+        with pytest.raises(ServiceMemoryError, match="can never fit"):
+            conn.request(p.Alloc, nbytes=1 << 50)
+        reply, _ = conn.request(p.Status)
+        assert isinstance(reply, p.StatusReply)
+        assert reply.bytes_staged == 0
+    finally:
+        conn.close()

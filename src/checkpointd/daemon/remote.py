@@ -93,6 +93,7 @@ class _SegmentBuffer(StagingBuffer):
         self._conn = conn
         self.segment: int | None = None
         self._map: Any = None
+        self._pinned: int | None = None  # the address registered with CUDA
 
     def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
         self.forget()
@@ -102,25 +103,28 @@ class _SegmentBuffer(StagingBuffer):
         self.segment = reply.segment
         self._map = map_fd(fd, nbytes, writable=True)
         arena = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))
-        if pinned:
-            _pin(arena)
+        if pinned and torch.cuda.is_available():
+            _cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+            self._pinned = arena.data_ptr()
         return arena[:nbytes] if nbytes else arena
 
     def forget(self) -> None:
         """Drop the mapping (the service holds its own); the segment is no longer ours."""
         self.drop()
         self.segment = None
+        if self._pinned is not None:
+            _cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
         mapped, self._map = self._map, None
         if mapped is not None:
             with contextlib.suppress(BufferError):  # tensors over it still alive: unmapped
                 mapped.close()  # when they go
 
 
-def _pin(arena: torch.Tensor) -> None:
-    """Page-lock a segment for CUDA copies (cudaHostRegister), so they stay DMA."""
-    if torch.cuda.is_available():
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+def _cudart() -> Any:
+    """The CUDA runtime, to page-lock a segment for CUDA sources (cudaHostRegister) so
+    their copies stay DMA, and to unlock it before it is unmapped."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 class RemoteService:

@@ -158,6 +158,12 @@ class Server:
                 f"this save needs {nbytes} bytes of shared memory; the service's "
                 f"--memory-limit is {limit}: it can never fit (raise the limit)"
             )
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if nbytes > physical:
+            raise ServiceMemoryError(
+                f"this save needs {nbytes} bytes of shared memory; this machine has "
+                f"{physical}: it can never fit"
+            )
         spare = self._spare
         if spare is not None and nbytes <= spare.capacity <= 2 * max(nbytes, 1):
             self._spare = None
