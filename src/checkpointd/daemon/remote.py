@@ -14,6 +14,8 @@ goes away, every pending handle fails with ServiceError at once. Imports torch.
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -85,14 +87,64 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
         raise
 
 
+class _Mappings:
+    """This process's mappings of the last segments it captured into, by memfd inode.
+
+    The service hands a freed segment out again for the next save of a similar
+    size; mapping it anew would set up every page again (measured: the main cost
+    of ``save()`` over the in-process writer). Only the last ``KEEP`` are kept: in
+    steady state those are the segment being filled and the one the service keeps
+    in memory (or as its spare), so no memory stays alive only because of us for
+    longer than one save. Any thread."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def map(self, fd: int, size: int) -> mmap.mmap:
+        """A writable mapping of at least ``size`` bytes of segment ``fd`` (closed here)."""
+        try:
+            info = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        key = (info.st_dev, info.st_ino)
+        with self._lock:
+            found = self._maps.pop(key, None)
+        if found is not None and len(found) >= max(size, 1):
+            os.close(fd)
+        else:
+            if found is not None:
+                _unmap(found)
+            found = map_fd(fd, size, writable=True)
+        with self._lock:
+            self._maps[key] = found
+            while len(self._maps) > self.KEEP:
+                _unmap(self._maps.pop(next(iter(self._maps))))
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for mapped in maps:
+            _unmap(mapped)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # tensors over it still alive: unmapped when
+        mapped.close()  # they go
+
+
 class _SegmentBuffer(StagingBuffer):
     """A staging buffer whose arena is a new service segment at each reserve."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, mappings: _Mappings) -> None:
         super().__init__(self._allocate)
         self._conn = conn
+        self._mappings = mappings
         self.segment: int | None = None
-        self._map: Any = None
         self._pinned: int | None = None  # the address registered with CUDA
 
     def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -101,24 +153,21 @@ class _SegmentBuffer(StagingBuffer):
         assert isinstance(reply, p.Segment)
         assert fd is not None
         self.segment = reply.segment
-        self._map = map_fd(fd, nbytes, writable=True)
-        arena = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))
+        mapped = self._mappings.map(fd, nbytes)
+        arena = torch.frombuffer(mapped, dtype=torch.uint8, count=max(nbytes, 1))
         if pinned and torch.cuda.is_available():
             _cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
             self._pinned = arena.data_ptr()
         return arena[:nbytes] if nbytes else arena
 
     def forget(self) -> None:
-        """Drop the mapping (the service holds its own); the segment is no longer ours."""
+        """Drop the arena; the segment is no longer ours (its mapping stays in
+        ``_Mappings`` for a later save that gets the same segment again)."""
         self.drop()
         self.segment = None
         if self._pinned is not None:
             _cudart().cudaHostUnregister(self._pinned)
             self._pinned = None
-        mapped, self._map = self._map, None
-        if mapped is not None:
-            with contextlib.suppress(BufferError):  # tensors over it still alive: unmapped
-                mapped.close()  # when they go
 
 
 def _cudart() -> Any:
@@ -158,6 +207,7 @@ class RemoteService:
         self._saves: dict[int, SaveHandle] = {}
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
         self._stopped: anyio.Event | None = None
+        self._mappings = _Mappings()
         conn.on_event = self._event
         conn.on_lost = self._lost
         reply, _ = conn.request(
@@ -197,7 +247,7 @@ class RemoteService:
         # wait stays cancellable (an interrupted save()).
         while not self._slots.acquire(blocking=False):  # noqa: ASYNC110
             await anyio.sleep(0.002)
-        return _SegmentBuffer(self.conn)
+        return _SegmentBuffer(self.conn, self._mappings)
 
     def release_buffer(self, buffer: StagingBuffer) -> None:
         """Give back a buffer whose save was never submitted (its capture failed)."""
@@ -284,6 +334,7 @@ class RemoteService:
 
     def close_store(self) -> None:
         self.conn.close()
+        self._mappings.close()
 
     def take_unseen_error(self) -> BaseException | None:
         return self.failures.take_first()
