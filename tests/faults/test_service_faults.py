@@ -288,3 +288,16 @@ def test_an_impossible_allocation_is_refused_and_the_connection_lives(service: S
         assert reply.bytes_staged == 0
     finally:
         conn.close()
+
+
+def test_a_refused_request_keeps_the_connection(service: Service, tmp_path: Path) -> None:
+    conn = Connection(service.socket)
+    try:
+        with pytest.raises(checkpointd.StorageError, match="storage_options"):
+            conn.request(p.OpenWriter, root=str(tmp_path), storage_options={"key": "x"})
+        with pytest.raises(checkpointd.InvalidArgumentError):
+            conn.request(p.OpenWriter, root=str(tmp_path), newer_steps="sometimes")
+        reply, _ = conn.request(p.Status)
+        assert isinstance(reply, p.StatusReply)
+    finally:
+        conn.close()

@@ -239,7 +239,10 @@ class Server:
     async def _connection(self, stream: SocketStream) -> None:
         conn = _Conn(stream)
         raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
-        uid = peer_uid(raw)
+        try:
+            uid = peer_uid(raw)
+        except OSError:
+            uid = -1
         if uid != os.getuid():
             _log.warning("refused a connection from uid %d", uid)
             await conn.send(p.Error(0, "ServiceError", "this service serves its own user only"))
@@ -265,6 +268,11 @@ class Server:
                     await conn.send(
                         p.Error(getattr(message, "id", 0), type(exc).__name__, str(exc))
                     )
+                except Exception as exc:  # a bug or an OS failure: this client only
+                    _log.exception("request %s failed", type(message).__name__)
+                    why = f"the service failed this request ({type(exc).__name__}: {exc})"
+                    await conn.send(p.Error(getattr(message, "id", 0), "ServiceError", why))
+                    break
         finally:
             conn.open = False
             for segment in list(conn.owned.values()):
