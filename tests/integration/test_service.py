@@ -106,6 +106,8 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
 
 
 def test_unsupported_options_are_refused_clearly(service: Service, tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="AsyncCheckpointWriter"):
+        checkpointd.AsyncCheckpointWriter(str(tmp_path), service=service.socket)
     for options in ({"incremental": True}, {"staging": "overlapped"}):
         with pytest.raises(InvalidArgumentError, match="does not support"):
             checkpointd.CheckpointWriter(str(tmp_path), service=service.socket, **options)  # type: ignore[arg-type]
