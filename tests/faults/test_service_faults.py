@@ -4,6 +4,7 @@ killed with saves in flight, hostile clients, foreign users and loose folders.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import checkpointd
 from checkpointd.daemon import protocol as p
@@ -301,3 +304,71 @@ def test_a_refused_request_keeps_the_connection(service: Service, tmp_path: Path
         assert isinstance(reply, p.StatusReply)
     finally:
         conn.close()
+
+
+_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_VALID = [
+    p.encode(p.Status(1))[4:],
+    p.encode(p.Alloc(2, nbytes=4096))[4:],
+    p.encode(
+        p.Submit(
+            3,
+            writer=1,
+            segment=2,
+            snapshot=p.SnapshotDesc(
+                step=1,
+                created_at=p.datetime.now(),
+                components=[
+                    p.ComponentDesc("m", b"\x80", [p.EntryDesc("w", "F32", [2], 0, 8)], 0, 8)
+                ],
+                metrics={"loss": 1.0},
+                metadata={},
+            ),
+        )
+    )[4:],
+]
+
+
+@_FUZZ
+@given(st.binary(max_size=2048))
+def test_fuzz_decoding_random_bytes_is_a_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(p.ProtocolError):
+        p.decode(data)
+
+
+@_FUZZ
+@given(st.sampled_from(_VALID), st.data())
+def test_fuzz_decoding_mutated_messages_is_a_protocol_error(
+    body: bytes, data: st.DataObject
+) -> None:
+    raw = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if kind == "flip" and raw:
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "cut":
+            del raw[at:]
+        else:
+            raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        message = p.decode(bytes(raw))
+    except p.ProtocolError:
+        return
+    assert isinstance(message, msgspec.Struct)  # a message of the protocol, nothing else
+
+
+def test_fuzzed_frames_to_a_live_service_never_break_it(service: Service) -> None:
+    chance = random.Random(22)
+    for _ in range(40):
+        body = bytearray(chance.choice(_VALID))
+        for _ in range(chance.randint(1, 4)):
+            at = chance.randrange(len(body))
+            body[at] ^= 1 << chance.randrange(8)
+        frame = struct.pack(">I", len(body)) + bytes(body)
+        with _connect(service.socket) as sock:
+            replies = _exchange(sock, frame)
+        assert all(isinstance(r, p.Message.__args__) for r in replies)  # type: ignore[attr-defined]
+    reply = status(service.socket)
+    assert reply.clients == 0
+    assert reply.bytes_staged == 0
