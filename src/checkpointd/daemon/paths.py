@@ -1,4 +1,4 @@
-"""Where the service listens, and who may talk to it.
+"""Where the service listens, who may talk to it, and one service per socket (a lock).
 
 The socket lives in a folder of mode 0700 owned by the user; a folder owned by
 someone else or with a looser mode is refused (another user could replace the
@@ -9,6 +9,7 @@ the service's own user are served. No torch here.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import socket
@@ -18,7 +19,15 @@ import tempfile
 
 from checkpointd.errors import InvalidArgumentError, ServiceError
 
-__all__ = ["check_folder", "default_socket", "parse_size", "peer_uid", "prepare_folder"]
+__all__ = [
+    "check_folder",
+    "default_socket",
+    "lock_or_fail",
+    "parse_size",
+    "peer_uid",
+    "prepare_folder",
+    "remove_stale",
+]
 
 _SIZE = re.compile(r"\s*([0-9]+)\s*([KMGT]?)(i?B)?\s*\Z", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -81,3 +90,20 @@ def parse_size(text: str) -> int:
             f"a size is a number of bytes with an optional K, M, G or T suffix, not {text!r}"
         )
     return int(match.group(1)) * int(1024 ** _POWERS[match.group(2).upper()])
+
+
+def lock_or_fail(socket_path: str) -> int:
+    """Hold ``<socket>.lock`` for the service's life: one service per socket."""
+    fd = os.open(f"{socket_path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ServiceError(f"a checkpoint service already runs at {socket_path}") from None
+    return fd
+
+
+def remove_stale(socket_path: str) -> None:
+    """Remove a socket left by a dead service (we hold the lock: none is alive)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)

@@ -17,7 +17,9 @@ import struct
 from datetime import datetime
 from typing import Any
 
+import anyio
 import msgspec
+from anyio.abc import ByteReceiveStream
 
 from checkpointd.errors import ServiceError
 from checkpointd.manifest import CheckpointInfo, SpecEntry
@@ -50,6 +52,7 @@ __all__ = [
     "WriterOpened",
     "decode",
     "encode",
+    "read_async",
     "send_frame",
 ]
 
@@ -58,6 +61,9 @@ MAX_FRAME = 64 * 1024 * 1024
 metrics, metadata and tensor entries; tensor bytes travel in shared memory)."""
 
 _PREFIX = struct.Struct(">I")
+
+FRAME_SECONDS = 30.0
+"""How long the rest of a frame may take once its length arrived (service side)."""
 
 
 class ProtocolError(ServiceError):
@@ -361,3 +367,32 @@ def os_close(fd: int) -> None:
 
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+async def read_async(stream: ByteReceiveStream, buffer: bytearray) -> Message | None:
+    """The next frame's message from an anyio stream (the service's side), None at a
+    clean end; ProtocolError otherwise (a frame's body must arrive within
+    FRAME_SECONDS of its length)."""
+
+    async def fill(count: int) -> bool:
+        while len(buffer) < count:
+            try:
+                buffer.extend(await stream.receive(1 << 20))
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return False
+        return True
+
+    if not await fill(4):
+        if buffer:
+            raise ProtocolError("the stream ended inside a frame's length prefix")
+        return None
+    length = body_length(bytes(buffer[:4]))
+    with anyio.move_on_after(FRAME_SECONDS) as scope:
+        complete = await fill(4 + length)
+    if scope.cancelled_caught:
+        raise ProtocolError(f"a frame's body did not arrive within {FRAME_SECONDS}s")
+    if not complete:
+        raise ProtocolError("the stream ended inside a frame")
+    body = bytes(buffer[4 : 4 + length])
+    del buffer[: 4 + length]
+    return decode(body)

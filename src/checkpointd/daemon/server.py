@@ -17,7 +17,6 @@ committed and the tier keeps it) until evicted. ``memory_limit`` bounds the sum.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import os
@@ -33,27 +32,22 @@ import torch
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
 from checkpointd import errors
-from checkpointd.catalog import read_manifest
-from checkpointd.errors import CheckpointError, ServiceError, ServiceMemoryError
+from checkpointd.errors import CheckpointError, ServiceMemoryError
 from checkpointd.handle import SaveHandle, first_leaf
-from checkpointd.layout import MANIFEST_NAME, step_dirname, tensor_file_name, tree_file_name
-from checkpointd.plan import Snapshot, plan_snapshot
+from checkpointd.plan import Snapshot
 from checkpointd.retention import RetentionPolicy
 from checkpointd.service import WriteService, newest_committed
 from checkpointd.storage import open_store
 
 from . import protocol as p
-from .memtier import HeldCheckpoint, MemoryTier, root_key
-from .paths import peer_uid, prepare_folder
+from .memtier import MemoryTier, root_key
+from .paths import lock_or_fail, peer_uid, prepare_folder, remove_stale
 from .shm import MappedSegment, readonly_fd
-from .snapshot import rebuild
+from .snapshot import held_checkpoint, rebuild
 
 __all__ = ["Server", "serve"]
 
 _log = logging.getLogger("checkpointd.service")
-
-FRAME_SECONDS = 30.0
-"""How long the rest of a frame may take once its first byte arrived."""
 
 
 class HostedWriteService(WriteService):
@@ -182,9 +176,9 @@ class Server:
     async def run(self) -> None:
         """Listen until SIGTERM/SIGINT (or ``idle_exit``), then finish saves in flight."""
         folder = prepare_folder(self.socket_path)
-        lock = _lock_or_fail(self.socket_path)
+        lock = lock_or_fail(self.socket_path)
         try:
-            _remove_stale(self.socket_path)
+            remove_stale(self.socket_path)
             listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
             os.chmod(folder, 0o700)
             _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
@@ -253,7 +247,7 @@ class Server:
         try:
             while True:
                 try:
-                    message = await _read(stream, buffer)
+                    message = await p.read_async(stream, buffer)
                 except p.ProtocolError as exc:
                     await conn.send(p.Error(0, "ProtocolError", str(exc)))
                     break
@@ -398,7 +392,9 @@ class Server:
                 return
             self.committed += 1
             try:
-                held = await anyio.to_thread.run_sync(_held, writer.service, snapshot, segment)
+                held = await anyio.to_thread.run_sync(
+                    held_checkpoint, writer.service, snapshot, segment
+                )
             except Exception as exc:  # reading the manifest back failed: do not hold it
                 _log.warning("not holding step %d in memory: %r", snapshot.step, exc, exc_info=True)
                 held = None
@@ -445,82 +441,6 @@ class Server:
             committed=self.committed,
             failed=self.failed,
         )
-
-
-def _held(
-    service: WriteService, snapshot: Snapshot, segment: MappedSegment
-) -> HeldCheckpoint | None:
-    """What the memory tier keeps of a just-committed save: the manifest it published
-    (read back) and, per listed file, its head and its range of the segment; None if
-    the manifest lists anything this snapshot does not hold. Worker thread."""
-    store, step = service.store, snapshot.step
-    manifest_bytes = store.read_bytes(f"{step_dirname(step)}/{MANIFEST_NAME}")
-    manifest = read_manifest(store, step)
-    token = "m"
-    planned = {f.name: f for f in plan_snapshot(snapshot, token).files}
-    offsets = {c.name: c.offset for c in snapshot.components}
-    files: list[p.HeldFile] = []
-    for name, entry in manifest.components.items():
-        tree = planned.get(tree_file_name(name, token))
-        if tree is None or entry.sharded or entry.refs:
-            return None
-        files.append(p.HeldFile(entry.tree, bytes(tree.parts[0])))
-        if entry.tensors:
-            tensors = planned.get(tensor_file_name(name, token))
-            if tensors is None or len(entry.tensors) != 1:
-                return None
-            head = bytes(tensors.parts[0])
-            length = memoryview(tensors.parts[1]).nbytes
-            files.append(p.HeldFile(entry.tensors[0], head, offsets[name], length))
-    sizes = {f.path: f.size for f in manifest.files}
-    held = {f.path: len(f.head) + f.length for f in files}
-    if sizes != held or manifest.blobs:
-        return None
-    return HeldCheckpoint(step, segment, manifest_bytes, files)
-
-
-async def _read(stream: SocketStream, buffer: bytearray) -> p.Message | None:
-    """The next frame's message, None at a clean end; ProtocolError otherwise."""
-
-    async def fill(count: int) -> bool:
-        while len(buffer) < count:
-            try:
-                buffer.extend(await stream.receive(1 << 20))
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return False
-        return True
-
-    if not await fill(4):
-        if buffer:
-            raise p.ProtocolError("the stream ended inside a frame's length prefix")
-        return None
-    length = p.body_length(bytes(buffer[:4]))
-    with anyio.move_on_after(FRAME_SECONDS) as scope:
-        complete = await fill(4 + length)
-    if scope.cancelled_caught:
-        raise p.ProtocolError(f"a frame's body did not arrive within {FRAME_SECONDS}s")
-    if not complete:
-        raise p.ProtocolError("the stream ended inside a frame")
-    body = bytes(buffer[4 : 4 + length])
-    del buffer[: 4 + length]
-    return p.decode(body)
-
-
-def _lock_or_fail(socket_path: str) -> int:
-    """Hold ``<socket>.lock`` for the service's life: one service per socket."""
-    fd = os.open(f"{socket_path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ServiceError(f"a checkpoint service already runs at {socket_path}") from None
-    return fd
-
-
-def _remove_stale(socket_path: str) -> None:
-    """Remove a socket left by a dead service (we hold the lock: none is alive)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(socket_path)
 
 
 def serve(
