@@ -233,12 +233,13 @@ class RemoteService:
 
     async def stop(self) -> None:
         """Wait until every accepted save resolved, then end ``run``."""
+        # Handles resolve on the connection's reader thread: polled, cancellable.
         while True:
             with self._lock:
                 pending = [h for h in self._saves.values() if not h.done()]
             if not pending:
                 break
-            await anyio.to_thread.run_sync(pending[0]._done.wait, 0.5)
+            await anyio.sleep(0.01)
         assert self._stopped is not None
         self._stopped.set()
 
