@@ -370,3 +370,31 @@ def test_fuzzed_frames_to_a_live_service_never_break_it(service: Service) -> Non
     reply = status(service.socket)
     assert reply.clients == 0
     assert reply.bytes_staged == 0
+
+
+def test_service_killed_after_writing_files_leaves_nothing_visible_and_gc_clears_it(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "root")
+    with running_service(gate=str(tmp_path / "gate"), hold="sync_dir") as held:
+        writer = checkpointd.CheckpointWriter(root, service=held.socket)
+        handle = writer.save(1, {"model": expected_state(1)})
+        folder = Path(root) / f"{1:012d}"
+        _wait_for(lambda: len(list(folder.glob("*"))) >= 2)  # tree and tensor files
+        held.kill()
+        with pytest.raises(ServiceError):
+            handle.result(timeout=10)
+        writer.close()
+    assert not (folder / "manifest.json").exists()
+    assert checkpointd.list_checkpoints(root) == []
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointd", "gc", root, "--apply", "--older-than", "0"],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not folder.exists() or not any(folder.iterdir())

@@ -76,14 +76,16 @@ def socket_folder() -> str:
     return tempfile.mkdtemp(prefix="ckd-", dir="/tmp")
 
 
-def start_service(folder: str, *args: str, gate: str | None = None) -> Service:
+def start_service(
+    folder: str, *args: str, gate: str | None = None, hold: str = "make_dir"
+) -> Service:
     """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
     every save's writes wait until that file exists (service_jobs.held_serve)."""
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
     command = ["-m", "checkpointd", "serve"]
     if gate is not None:
-        command = ["-m", "tests.support.service_jobs", "held-serve", gate, "--"]
+        command = ["-m", "tests.support.service_jobs", "held-serve", gate, hold, "--"]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, *command, "--socket", socket, *args],
@@ -103,12 +105,14 @@ def start_service(folder: str, *args: str, gate: str | None = None) -> Service:
 
 
 @contextmanager
-def running_service(*args: str, gate: str | None = None) -> Iterator[Service]:
+def running_service(
+    *args: str, gate: str | None = None, hold: str = "make_dir"
+) -> Iterator[Service]:
     """A service in a fresh socket folder for the block; stopped (and the folder
     removed) after."""
     folder = socket_folder()
     try:
-        running = start_service(folder, *args, gate=gate)
+        running = start_service(folder, *args, gate=gate, hold=hold)
         try:
             yield running
         finally:

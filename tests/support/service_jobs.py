@@ -5,8 +5,10 @@ and a service whose writes are held (a save stays in flight until a file appears
 prints ``returned N`` (flushed) once ``save(N)`` has returned; with ``hang-in-copy``
 it stops for good right after the service handed it a segment (as if the copy into
 shared memory were under way) and prints ``copying``.
-``python -m tests.support.service_jobs held-serve GATE -- SERVE-ARGS`` runs
-``checkpointd serve`` with every save's first storage call waiting for file GATE.
+``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
+``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
+first storage call; ``sync_dir``: after its files are written, before the manifest)
+waiting for file GATE.
 """
 
 from __future__ import annotations
@@ -52,18 +54,18 @@ def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
     print(f"service pid {status(socket).pid}", flush=True)
 
 
-def held_serve(gate: str, serve_args: list[str]) -> None:
+def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
     from checkpointd.cli import main
     from checkpointd.storage import LocalStore
 
-    real = LocalStore.make_dir
+    real = getattr(LocalStore, method)
 
-    def make_dir(self: LocalStore, path: str) -> None:
+    def held(self: LocalStore, path: str) -> None:
         while not os.path.exists(gate):
             time.sleep(0.01)
         real(self, path)
 
-    LocalStore.make_dir = make_dir  # type: ignore[method-assign]
+    setattr(LocalStore, method, held)
     sys.exit(main(["serve", *serve_args]))
 
 
@@ -71,4 +73,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "trainer":
         trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["hang-in-copy"])
     else:
-        held_serve(sys.argv[2], sys.argv[4:])
+        held_serve(sys.argv[2], sys.argv[3], sys.argv[5:])
