@@ -26,6 +26,7 @@ from checkpointd.stateful import component_state
 from checkpointd.storable import CapturedShard, Source, Walker
 
 __all__ = [
+    "Allocate",
     "CapturedComponent",
     "CapturedShard",
     "Copier",
@@ -36,19 +37,40 @@ __all__ = [
 ]
 
 
+Allocate = Callable[[int, bool], torch.Tensor]
+"""``(nbytes, pinned)`` -> a uint8 tensor of at least ``nbytes`` over memory someone else
+owns (the checkpoint service's shared memory); see ``StagingBuffer``."""
+
+
 class StagingBuffer:
     """A host byte arena reused across saves; pinned when it holds CUDA sources.
 
     Owned by one save at a time: capture fills it on the caller thread, the
-    writer reads it in the background, then it goes back to the pool.
+    writer reads it in the background, then it goes back to the pool. With an
+    ``allocate`` function, each ``reserve`` takes its arena from it (a fresh
+    shared-memory segment per save); ``over(arena)`` wraps memory already filled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Allocate | None = None) -> None:
         self._arena: torch.Tensor | None = None
+        self._allocate = allocate
         self.allocations = 0
+
+    @classmethod
+    def over(cls, arena: torch.Tensor) -> StagingBuffer:
+        """A buffer whose arena is ``arena`` (a uint8 tensor), for reading a snapshot
+        captured elsewhere; ``reserve`` refuses to replace it."""
+        buffer = cls(_refuse_reserve)
+        buffer._arena = arena
+        return buffer
 
     def reserve(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         """Return a uint8 tensor of at least ``nbytes``, reusing the arena when it fits."""
+        if self._allocate is not None:
+            self._arena = None
+            self._arena = self._allocate(nbytes, pinned)
+            self.allocations += 1
+            return self._arena
         arena = self._arena
         if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
             self._arena = None  # drop the old arena before allocating the new one
@@ -59,6 +81,10 @@ class StagingBuffer:
             self.allocations += 1
         return arena
 
+    def drop(self) -> None:
+        """Forget the arena (its memory is freed once nothing else references it)."""
+        self._arena = None
+
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``offset .. offset + nbytes`` of the arena, without copying."""
         assert self._arena is not None
@@ -68,6 +94,10 @@ class StagingBuffer:
     def capacity(self) -> int:
         """Bytes currently allocated."""
         return 0 if self._arena is None else self._arena.numel()
+
+
+def _refuse_reserve(nbytes: int, pinned: bool) -> torch.Tensor:
+    raise AssertionError("a StagingBuffer.over(arena) is read, never captured into")
 
 
 @dataclass(slots=True)

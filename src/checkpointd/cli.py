@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from checkpointd import cli_service
 from checkpointd.cli_format import (
     metrics_text,
     progress_bar,
@@ -45,6 +46,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         width=args.width,
         keep_last=args.keep_last,
         storage_options=storage_options(args),
+        service=args.service,
     )
     run_demo(config, out=lambda line: print(line, flush=True))
     return 0
@@ -430,6 +432,8 @@ _HANDLERS: dict[str, Command] = {
     "gc": _cmd_gc,
     "export": _cmd_export,
     "import": _cmd_import,
+    "serve": cli_service.cmd_serve,
+    "status": cli_service.cmd_status,
 }
 
 

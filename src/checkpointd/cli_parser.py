@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--width", type=int, default=512, help="hidden width of the model (default 512)"
     )
     demo.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
+    demo.add_argument(
+        "--service",
+        metavar="SOCKET",
+        help='save and resume through the checkpoint service at SOCKET (or "auto")',
+    )
 
     root_help = "checkpoint root: a local path or an fsspec URL (s3://bucket/prefix)"
     ls = commands.add_parser("ls", parents=[common], help="list committed checkpoints")
@@ -131,7 +136,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_conversions(commands, common, root_help)
+    _add_service(commands)
     return parser
+
+
+def _add_service(commands: Any) -> None:
+    """The ``serve`` and ``status`` subcommands (the checkpoint service)."""
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show tracebacks on failure")
+    socket_help = (
+        "the service's socket (default: $CHECKPOINTD_SOCKET, else "
+        "$XDG_RUNTIME_DIR/checkpointd/sock, else <tempdir>/checkpointd-<uid>/sock)"
+    )
+    serve = commands.add_parser(
+        "serve", parents=[debug], help="run the checkpoint service in the foreground"
+    )
+    serve.add_argument("--socket", metavar="PATH", help=socket_help)
+    serve.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        help="most shared memory held, staged and kept (bytes, or K/M/G/T; default: no limit)",
+    )
+    serve.add_argument(
+        "--keep-in-memory",
+        type=int,
+        default=1,
+        metavar="N",
+        help="committed checkpoints kept in memory per root for restores (default 1; 0: off)",
+    )
+    serve.add_argument(
+        "--idle-exit",
+        type=float,
+        metavar="SECONDS",
+        help="exit after this long with no client and nothing pending (default: never)",
+    )
+    status = commands.add_parser(
+        "status", parents=[debug], help="what the checkpoint service is doing"
+    )
+    status.add_argument("--socket", metavar="PATH", help=socket_help)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _add_conversions(commands: Any, common: argparse.ArgumentParser, root_help: str) -> None:

@@ -41,6 +41,8 @@ class DemoConfig:
     keep_last: int = 3
     seed: int = 0
     storage_options: Mapping[str, Any] | None = None
+    service: str | None = None
+    """Save (and resume) through the checkpoint service at this socket, or "auto"."""
 
 
 def _model(width: int) -> nn.Module:
@@ -68,13 +70,15 @@ def _resume(
     stands (epochs counted from 1, as in "epoch N done")."""
     if not list_checkpoints(config.root, storage_options=config.storage_options):
         return f"no checkpoint under {config.root}: starting fresh"
-    info = restore(config.root, state, storage_options=config.storage_options)
+    info = restore(
+        config.root, state, storage_options=config.storage_options, service=config.service
+    )
     number = progress.epoch + 1  # the epoch in progress
     if progress.batch_in_epoch == 0:
         where = f"{progress.epoch} epoch(s) done, epoch {number} not started"
     else:
         where = f"in epoch {number}: {progress.batch_in_epoch} of {batches} batches done"
-    return f"resumed from step {info.step} at {info.path} ({where})"
+    return f"resumed from step {info.step} at {info.path} from {info.source} ({where})"
 
 
 def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> TrainingProgress:
@@ -120,7 +124,10 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
     loss_fn = nn.MSELoss()
     saved = progress.step
     with CheckpointWriter(
-        config.root, storage_options=config.storage_options, keep_last=config.keep_last
+        config.root,
+        storage_options=config.storage_options,
+        keep_last=config.keep_last,
+        service=config.service,
     ) as writer:
         started = time.perf_counter()
         target = progress.step + config.steps

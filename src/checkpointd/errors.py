@@ -23,6 +23,8 @@ __all__ = [
     "RestoreMismatchError",
     "ResumeNotExactWarning",
     "RetentionWarning",
+    "ServiceError",
+    "ServiceMemoryError",
     "SpecChangedWarning",
     "StagingError",
     "StepOrderError",
@@ -96,6 +98,15 @@ class RankFailedError(CheckpointError, RuntimeError):
 class StagingError(CheckpointError, RuntimeError):
     """Copying the state into host memory failed in the background (overlapped staging);
     the underlying error is the cause. The save failed; the writer goes on."""
+
+
+class ServiceError(CheckpointError, RuntimeError):
+    """The checkpoint service could not be reached, refused a request, or died with this
+    save in flight (nothing of an unfinished save is ever visible)."""
+
+
+class ServiceMemoryError(ServiceError, MemoryError):
+    """A save needs more shared memory than the service's ``--memory-limit`` allows."""
 
 
 class StorageError(CheckpointError, OSError):

@@ -64,6 +64,7 @@ from checkpointd.removal import (
 )
 from checkpointd.restore import load
 from checkpointd.rng import RNGState
+from checkpointd.service import WriteService
 from checkpointd.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
@@ -118,6 +119,7 @@ class _PooledWriter(CheckpointWriter):
 
     def _start(self) -> None:
         """Swap the service's new buffers for pooled ones before its loop starts."""
+        assert isinstance(self._service, WriteService)  # never through the checkpoint service
         buffers = self._service._buffers
         for i in range(len(buffers)):
             if self._pool:
@@ -129,6 +131,7 @@ class _PooledWriter(CheckpointWriter):
         try:
             super().close()
         finally:
+            assert isinstance(self._service, WriteService)
             self._pool.extend(self._service._buffers)
             self._service._buffers = []
 

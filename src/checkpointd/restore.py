@@ -37,7 +37,15 @@ from checkpointd.stateful import component_state, dtensor_templates, load_compon
 from checkpointd.storage import Store, open_store
 from checkpointd.tree import map_tree
 
-__all__ = ["Checkpoint", "RestoreInfo", "SkippedStep", "list_checkpoints", "load", "restore"]
+__all__ = [
+    "Checkpoint",
+    "RestoreInfo",
+    "SkippedStep",
+    "list_checkpoints",
+    "load",
+    "restore",
+    "restore_from",
+]
 
 _log = logging.getLogger("checkpointd")
 _warned: set[str] = set()
@@ -239,9 +247,11 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     per-rank components another world size saved (left unchanged), and
     ``skipped_components`` are components no target took.
     ``skipped_steps``: with ``step=None``, newer damaged checkpoints passed over,
-    newest first, each as (step, why).
+    newest first, each as (step, why). ``source``: "storage", or "memory" where the
+    checkpoint service's memory tier served the bytes (``restore(..., service=...)``).
     """
 
+    source: str = "storage"
     restored: tuple[str, ...] = ()
     skipped_targets: tuple[str, ...] = ()
     skipped_components: tuple[str, ...] = ()
@@ -395,6 +405,7 @@ def restore(
     *,
     storage_options: Mapping[str, Any] | None = None,
     strict: bool = True,
+    service: str | None = None,
 ) -> RestoreInfo:
     """Load a checkpoint and ``load_state_dict`` it into the live ``targets``, all or nothing.
 
@@ -409,8 +420,38 @@ def restore(
     put back as it was and RestoreMismatchError is raised. With ``step=None``, damaged checkpoints are
     skipped as in ``load`` (before any target changes; ``skipped_steps``).
     Blocking; call from the training thread.
+
+    ``service`` ("auto" or a socket path; None: storage only): if the checkpoint
+    service holds the step to restore (the newest committed one on storage, or
+    ``step``) in memory, committed with the very manifest storage has, it is read
+    from there, with every check made on storage (``info.source == "memory"``);
+    otherwise (no service, not held, a mismatch) from storage.
     """
-    store = open_store(str(root), storage_options)
+    if service is not None:
+        from checkpointd.daemon.recall import restore_held
+
+        held = restore_held(
+            str(root),
+            targets,
+            step,
+            storage_options=storage_options,
+            strict=strict,
+            service=service,
+        )
+        if held is not None:
+            return held
+    return restore_from(open_store(str(root), storage_options), targets, step, strict)
+
+
+def restore_from(
+    store: Store,
+    targets: Mapping[str, Any],
+    step: int | None,
+    strict: bool,
+    *,
+    source: str = "storage",
+) -> RestoreInfo:
+    """``restore`` from an open ``store`` (closed here); ``source`` goes in the info."""
     try:
 
         def attempt(found: int, manifest: Manifest) -> _Prepared:
@@ -425,7 +466,9 @@ def restore(
         inplace.release(list(prepared.planned.values()))
     names = prepared.names
     if skipped := prepared.skipped_message():
-        _warn_once(f"restore(strict=False) from step {prepared.step} of {root} skipped {skipped}")
+        _warn_once(
+            f"restore(strict=False) from step {prepared.step} of {store.url} skipped {skipped}"
+        )
     info = prepared.info
     return RestoreInfo(
         **{f: getattr(info, f) for f in info.__struct_fields__},
@@ -433,4 +476,5 @@ def restore(
         skipped_targets=(*prepared.missing, *prepared.other_world),
         skipped_components=prepared.unexpected,
         skipped_steps=skipped_steps,
+        source=source,
     )

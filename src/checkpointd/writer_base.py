@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import msgspec
@@ -42,6 +42,9 @@ from checkpointd.retention import RetentionPolicy
 from checkpointd.service import NewerSteps, WriteService
 from checkpointd.staging import STAGING_MODES, Stager, Staging, StagingMode
 from checkpointd.storage import LocalStore, open_store
+
+if TYPE_CHECKING:
+    from checkpointd.daemon.remote import RemoteService
 
 __all__ = ["WriterBase"]
 
@@ -89,6 +92,13 @@ class WriterBase:
     before ``save()`` returns. Only ``optimizer.step()`` is guarded: change those
     tensors any other way only after ``wait_staged()``. See staging.py.
 
+    ``service``: None (default) writes in this process, in a background thread.
+    ``"auto"`` or a socket path writes through the checkpoint service (README, "The
+    checkpoint service"): ``save()`` captures into the service's shared memory and
+    returns once the service owns the snapshot, which then commits even if this
+    process dies. Not yet with many ranks, ``incremental=True``, overlapped staging
+    or AsyncCheckpointWriter (InvalidArgumentError).
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
@@ -111,6 +121,7 @@ class WriterBase:
         process_group: Any = None,
         incremental: bool = False,
         staging: StagingMode = "blocking",
+        service: str | os.PathLike[str] | None = None,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -153,15 +164,28 @@ class WriterBase:
                 "or drop incremental)"
             )
         self.incremental = incremental
-        self._service = WriteService(
-            self._store,
-            self.policy,
-            max_pending,
-            max_concurrency,
-            newer_steps,
-            group=self._ranks,
-            incremental=incremental,
-        )
+        self.service = None if service is None else os.fspath(service)
+        self._service: WriteService | RemoteService
+        if self.service is None:
+            self._service = WriteService(
+                self._store,
+                self.policy,
+                max_pending,
+                max_concurrency,
+                newer_steps,
+                group=self._ranks,
+                incremental=incremental,
+            )
+        else:
+            from checkpointd.daemon.remote import open_remote
+
+            try:
+                self._service = open_remote(self, max_pending, max_concurrency)
+            except BaseException:
+                if self._ranks is not None:
+                    self._ranks.close()
+                self._store.close()
+                raise
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []
         self._closed = False

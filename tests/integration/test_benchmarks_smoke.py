@@ -100,4 +100,18 @@ def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert results["series"][name]["median"] > 0, name
     assert "restore, fresh process" in results["ratios"]
     assert "checkpointd / torch" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(90)
+def test_service_benchmark_smoke(tmp_path: Path) -> None:
+    from benchmarks import bench_service
+
+    out = tmp_path / "service.json"
+    assert bench_service.main(["--smoke", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    for name in ("inproc.blocked", "service.blocked", "service.durable", "restore.memory"):
+        assert results["series"][name]["median"] > 0, name
+    kill = results["kill9"]
+    assert kill["returned"] >= 1
+    assert kill["committed_bit_exact"] == kill["returned"]
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"

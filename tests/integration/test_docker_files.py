@@ -157,3 +157,44 @@ def test_compose_demo_command_runs_against_s3(
     verify = _for_moto(services["verify"]["command"], s3_root)
     assert cli.main(verify) == 0
     assert "verified 1 checkpoint(s)" in capsys.readouterr().out
+
+
+def test_compose_runs_the_service_as_a_sidecar() -> None:
+    services = compose()["services"]
+    sidecar, trainer = services["checkpointd"], services["demo-service"]
+    assert sidecar["ipc"] == "shareable"
+    assert trainer["ipc"] == "service:checkpointd"
+    assert trainer["depends_on"]["checkpointd"]["condition"] == "service_started"
+    assert sidecar["image"] == trainer["image"] == services["demo"]["image"]
+    parser = cli.build_parser()
+    serve = parser.parse_args(sidecar["command"])
+    demo = parser.parse_args(trainer["command"])
+    assert serve.command == "serve"
+    assert demo.command == "demo"
+    assert demo.service == serve.socket
+    (volume,) = sidecar["volumes"]
+    assert volume in trainer["volumes"]
+    name, _, mount = volume.partition(":")
+    assert name in compose()["volumes"]
+    # the socket's own folder is made 0700 by the service, below the shared volume
+    assert os.path.dirname(os.path.dirname(serve.socket)) == mount
+
+
+@pytest.mark.timeout(240)
+def test_compose_service_demo_runs_against_s3_through_a_service(
+    s3_root: Root, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.support.service import running_service
+
+    services = compose()["services"]
+    demo = _for_moto(services["demo-service"]["command"], s3_root)
+    with running_service() as service:
+        demo = [f"--service={service.socket}" if a.startswith("--service") else a for a in demo]
+        command = [sys.executable, "-m", "checkpointd", *demo, "--steps=10", "--save-every=10"]
+        command.append("--width=32")
+        for expected in ("no checkpoint under s3://", "from memory"):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=200, check=False)
+            assert done.returncode == 0, f"{shlex.join(command)}\n{done.stdout}\n{done.stderr}"
+            assert expected in done.stdout
+    infos = checkpointd.list_checkpoints(s3_root.url, storage_options=s3_root.storage_options)
+    assert [info.step for info in infos] == [10, 20]

@@ -1,0 +1,243 @@
+"""The checkpoint service against the in-process writer, side by side in one run.
+
+Same state, interleaved repetitions, medians and ratios:
+- ``save()`` blocked and time until durable, in-process vs through the service (the
+  first two saves of each apart: they allocate);
+- a restart's ``restore``: from the service's memory tier vs from local disk with the
+  checkpoint's pages evicted (posix_fadvise), beside the memcpy of the state;
+- kill -9 of a trainer at random moments after ``save()`` returned: how many of those
+  checkpoints committed, each checked bit-exact.
+
+``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 10]``
+(the default state is bench_save's 604 MB model); ``--smoke`` runs a tiny version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import checkpointd
+from benchmarks.common import (
+    Table,
+    drop_cache,
+    fmt_seconds,
+    memcpy_floor,
+    nbytes_of,
+    pick_folder,
+    tensors_of,
+    transformer,
+    work_dir,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+WARMUP = 2
+"""Saves per writer measured apart (``*.firstblocked``/``*.firstdurable``): with
+``keep_last`` and the memory tier at 1, the service's third save is the first to
+reuse a segment."""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+
+
+def _start_service(folder: str) -> subprocess.Popen[bytes]:
+    from checkpointd.daemon.client import Connection
+    from checkpointd.errors import ServiceError
+
+    socket = os.path.join(folder, "sock")
+    with open(os.path.join(folder, "serve.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            Connection(socket).close()
+            return proc
+        except ServiceError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _expected(step: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(step))
+
+
+def _kill_trial(socket: str, root: str, numel: int, chance: random.Random) -> tuple[int, int]:
+    """One trainer killed -9 right after a random save returned: (returned, committed
+    bit-exact) of its saves."""
+    kill_after = chance.randrange(0, 4)
+    code = (
+        "import sys, torch, checkpointd\n"
+        "from benchmarks.bench_service import _expected\n"
+        "socket, root, numel = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+        "with checkpointd.CheckpointWriter(root, service=socket) as writer:\n"
+        "    for step in range(6):\n"
+        "        writer.save(step, {'model': {'w': _expected(step, numel)}})\n"
+        "        print('returned', step, flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, socket, root, str(numel)],
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    returned = -1
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        returned = int(line.split()[1])
+        if returned == kill_after:
+            time.sleep(chance.uniform(0, 0.005))
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    proc.stdout.close()
+    deadline = time.monotonic() + 120
+    good = 0
+    for step in range(returned + 1):
+        while step not in {c.step for c in _listed(root)} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            loaded = checkpointd.load(root, step)
+        except checkpointd.CheckpointError:
+            continue
+        good += torch.equal(loaded.state["model"]["w"], _expected(step, numel))
+    return returned + 1, good
+
+
+def _listed(root: str) -> list[checkpointd.CheckpointInfo]:
+    return checkpointd.list_checkpoints(root) if os.path.isdir(root) else []
+
+
+def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[str, Any]:
+    model = transformer(layers, width)
+    state = {"model": model}
+    nbytes = nbytes_of(state)
+    sources = tensors_of(state)
+    targets = [torch.empty_like(t) for t in sources]
+    for t in targets:
+        t.zero_()
+    sockets = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
+    service = _start_service(sockets)
+    socket = os.path.join(sockets, "sock")
+    table = Table()
+    try:
+        local = checkpointd.CheckpointWriter(str(folder / "inproc"), keep_last=1)
+        remote = checkpointd.CheckpointWriter(str(folder / "svc"), keep_last=1, service=socket)
+        with local, remote:
+            for rep in range(WARMUP + reps):
+                table.add("memcpy", memcpy_floor(sources, targets))
+                order = [("inproc", local), ("service", remote)]
+                # The first saves of a size allocate: the in-process writer its staging
+                # buffer, the service a fresh segment per save until one is freed.
+                kind = "first" if rep < WARMUP else ""
+                for name, writer in order if rep % 2 == 0 else order[::-1]:
+                    handle = writer.save(rep, state)
+                    handle.result(600)
+                    table.add(f"{name}.{kind}blocked", handle.blocked_seconds)
+                    assert handle.durable_seconds is not None
+                    table.add(f"{name}.{kind}durable", handle.durable_seconds)
+        restored = transformer(layers, width, seed=1)
+        for _ in range(reps):
+            started = time.perf_counter()
+            info = checkpointd.restore(str(folder / "svc"), {"model": restored}, service=socket)
+            table.add("restore.memory", time.perf_counter() - started)
+            assert info.source == "memory", info.source
+            drop_cache(folder / "inproc")
+            started = time.perf_counter()
+            info = checkpointd.restore(str(folder / "inproc"), {"model": restored})
+            table.add("restore.disk_cold", time.perf_counter() - started)
+        chance = random.Random(0)
+        returned = committed = 0
+        numel = max(1, min(nbytes // 4, 16 * 1024 * 1024))
+        for trial in range(kills):
+            r, c = _kill_trial(socket, str(folder / f"kill{trial}"), numel, chance)
+            returned, committed = returned + r, committed + c
+    finally:
+        service.terminate()
+        service.wait(60)
+        shutil.rmtree(sockets, ignore_errors=True)
+    return {
+        "nbytes": nbytes,
+        "series": table.as_json(),
+        "ratios": {
+            "blocked service/inproc": table.ratio("service.blocked", "inproc.blocked"),
+            "durable service/inproc": table.ratio("service.durable", "inproc.durable"),
+            "restore memory/memcpy": table.ratio("restore.memory", "memcpy"),
+            "restore disk_cold/memory": table.ratio("restore.disk_cold", "restore.memory"),
+        },
+        "kill9": {"trainers": kills, "returned": returned, "committed_bit_exact": committed},
+        "table": table,
+    }
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    table: Table = results["table"]
+    lines = [f"state: {results['nbytes'] / 1e6:.0f} MB (medians, interleaved)"]
+    for name in (
+        "memcpy",
+        "inproc.firstblocked",
+        "service.firstblocked",
+        "inproc.blocked",
+        "service.blocked",
+        "inproc.durable",
+        "service.durable",
+        "restore.memory",
+        "restore.disk_cold",
+    ):
+        lines.append(f"  {name:<20} {fmt_seconds(table[name])}")
+    for name, value in results["ratios"].items():
+        lines.append(f"  {name:<28} {value:.2f}x")
+    kill = results["kill9"]
+    lines.append(
+        f"  kill -9 after save() returned: {kill['committed_bit_exact']} of {kill['returned']} "
+        f"returned saves committed bit-exact ({kill['trainers']} trainers)"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--kills", type=int, default=10, help="trainers killed -9 (default 10)")
+    parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--smoke", action="store_true", help="a tiny state, 2 reps, 1 kill")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.width, args.reps, args.kills = 1, 64, 2, 1
+    parent = pick_folder(args.dir, 0)
+    with work_dir(parent, "service") as folder:
+        results = run(args.layers, args.width, args.reps, args.kills, folder)
+    print("\n".join(report(results)))
+    if args.json:
+        shown = {k: v for k, v in results.items() if k != "table"}
+        Path(args.json).write_text(json.dumps(shown, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

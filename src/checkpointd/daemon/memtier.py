@@ -1,0 +1,200 @@
+"""The memory tier: committed checkpoints the service keeps in shared memory, and the
+read-only Store a restoring client reads them through.
+
+The service keeps, per root, the newest ``keep`` checkpoints it committed: the
+segment the trainer captured into (no copy) plus each file's small head (tree
+bytes, safetensors header) and the manifest bytes it published. A client gets
+the segment read-only and wraps it in ``MemoryStore``, so restore's one reader
+of the format (reader.StepReader) reads it with every check it makes on
+storage: sizes, CRC32Cs against the manifest, headers. The client serves it only
+if the manifest on storage is byte for byte the one the service committed.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import msgspec
+
+from checkpointd.errors import StorageError, StorageNotFoundError
+from checkpointd.storage import FileSink, Store
+
+from .protocol import HeldFile
+from .shm import MappedSegment
+
+__all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "root_key"]
+
+
+def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
+    """One name per checkpoint root, whichever way a client spells it: a local path
+    resolved, a URL without its trailing slash, with its storage options."""
+    protocol, sep, rest = root.partition("://")
+    if not sep:
+        name = os.path.realpath(root)
+    elif protocol == "file":
+        name = os.path.realpath(rest)
+    else:
+        name = root.rstrip("/")
+    options = msgspec.json.encode(storage_options or {}, order="sorted").decode()
+    return f"{name} {options}"
+
+
+@dataclass
+class HeldCheckpoint:
+    """One committed step held in memory: its segment, files and manifest bytes."""
+
+    step: int
+    segment: MappedSegment
+    manifest: bytes
+    files: list[HeldFile]
+
+    @property
+    def nbytes(self) -> int:
+        return self.segment.capacity
+
+
+@dataclass
+class MemoryTier:
+    """The held checkpoints, newest last per root. Used on the service's event loop."""
+
+    keep: int
+    release: Callable[[MappedSegment], None]
+    """Frees a segment (and its bytes in the service's memory budget)."""
+    roots: dict[str, list[HeldCheckpoint]] = field(default_factory=dict)
+
+    def add(self, key: str, held: HeldCheckpoint) -> None:
+        """Hold ``held`` (just committed) for root ``key``; older ones beyond ``keep`` go."""
+        if self.keep <= 0:
+            self.release(held.segment)
+            return
+        kept = [h for h in self.roots.get(key, []) if h.step != held.step]
+        kept.append(held)
+        kept.sort(key=lambda h: h.step)
+        while len(kept) > self.keep:
+            self.release(kept.pop(0).segment)
+        self.roots[key] = kept
+
+    def find(self, key: str, step: int) -> HeldCheckpoint | None:
+        for held in self.roots.get(key, []):
+            if held.step == step:
+                return held
+        return None
+
+    def evict_oldest(self) -> bool:
+        """Free the oldest held checkpoint of any root; False if none is held."""
+        candidates = [(h.step, key) for key, held in self.roots.items() for h in held[:1]]
+        if not candidates:
+            return False
+        _, key = min(candidates)
+        self.release(self.roots[key].pop(0).segment)
+        if not self.roots[key]:
+            del self.roots[key]
+        return True
+
+    def drop_root(self, key: str) -> None:
+        """Forget every held checkpoint of ``key`` (storage changed under it)."""
+        for held in self.roots.pop(key, []):
+            self.release(held.segment)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for held in self.roots.values() for h in held)
+
+    def steps(self) -> dict[str, list[int]]:
+        return {key: [h.step for h in held] for key, held in self.roots.items()}
+
+    def clear(self) -> None:
+        for key in list(self.roots):
+            self.drop_root(key)
+
+
+class MemoryStore(Store):
+    """A read-only Store over one held checkpoint: ``files`` (paths relative to the
+    root) made of a head and a range of a read-only mapped segment. Any thread."""
+
+    def __init__(self, url: str, files: Mapping[str, tuple[bytes, memoryview]]) -> None:
+        self.url = url
+        self._files = dict(files)
+
+    @classmethod
+    def over(
+        cls, url: str, folder: str, manifest: bytes, files: list[HeldFile], mapped: mmap.mmap
+    ) -> MemoryStore:
+        """The store of a ``Held`` reply: ``manifest`` (the bytes read from storage) and
+        the held files in step folder ``folder``."""
+        whole = memoryview(mapped)
+        parts: dict[str, tuple[bytes, memoryview]] = {
+            f"{folder}/manifest.json": (manifest, whole[:0])
+        }
+        for file in files:
+            if not 0 <= file.offset <= file.offset + file.length <= len(whole):
+                raise StorageError(errno.EINVAL, f"{url}: held file {file.path} is out of range")
+            parts[f"{folder}/{file.path}"] = (
+                file.head,
+                whole[file.offset : file.offset + file.length],
+            )
+        return cls(url, parts)
+
+    def _refuse(self, path: str) -> NoReturn:
+        raise StorageError(errno.EROFS, f"{self.url}/{path}: the memory tier is read-only")
+
+    def make_dir(self, path: str) -> None:
+        self._refuse(path)
+
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
+        self._refuse(path)
+
+    def sync_dir(self, path: str) -> None:
+        self._refuse(path)
+
+    def remove_file(self, path: str) -> None:
+        self._refuse(path)
+
+    def remove_dir(self, path: str) -> None:
+        self._refuse(path)
+
+    def _parts(self, path: str) -> tuple[bytes, memoryview]:
+        try:
+            return self._files[path]
+        except KeyError:
+            raise StorageNotFoundError(
+                errno.ENOENT, f"{self.url}/{path}: not in the memory tier"
+            ) from None
+
+    def size(self, path: str) -> int:
+        head, body = self._parts(path)
+        return len(head) + len(body)
+
+    def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
+        head, body = self._parts(path)
+        want = len(buffer)
+        if offset + want > len(head) + len(body):
+            raise StorageError(errno.EIO, f"{self.url}/{path}: read past the end")
+        for chunk_start, chunk in _chunks(head, body, offset, want):
+            buffer[chunk_start : chunk_start + len(chunk)] = chunk
+
+    def list_dir(self, path: str) -> list[str]:
+        prefix = f"{path}/" if path else ""
+        names = {p[len(prefix) :].split("/")[0] for p in self._files if p.startswith(prefix)}
+        return sorted(names)
+
+
+def _chunks(
+    head: bytes, body: memoryview, offset: int, want: int
+) -> Iterator[tuple[int, memoryview]]:
+    """(position in the buffer, bytes) covering ``want`` bytes of head+body from ``offset``."""
+    at = 0
+    if offset < len(head):
+        part = memoryview(head)[offset : offset + want]
+        yield 0, part
+        at = len(part)
+    rest = want - at
+    if rest:
+        start = max(0, offset - len(head))
+        yield at, body[start : start + rest]

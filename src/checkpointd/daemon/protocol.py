@@ -1,0 +1,398 @@
+"""The service's messages: msgspec structs in one tagged union, in length-prefixed frames.
+
+A frame is a 4-byte big-endian length then that many bytes of msgpack encoding
+one ``Message``; a length over ``MAX_FRAME`` is refused before anything is
+read or allocated. Never pickle: decoding only builds these structs. Requests
+carry an ``id`` the reply repeats; ``Committed``/``Failed``/``Notice`` arrive
+unasked. File descriptors (shared-memory segments) travel beside a frame as
+SCM_RIGHTS, only from the service to a client (``Segment``, ``Held``).
+No torch here (``checkpointd status`` must not import it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from datetime import datetime
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.abc import ByteReceiveStream
+
+from checkpointd.errors import ServiceError
+from checkpointd.manifest import CheckpointInfo, SpecEntry
+
+__all__ = [
+    "MAX_FRAME",
+    "Accepted",
+    "Alloc",
+    "Committed",
+    "ComponentDesc",
+    "EntryDesc",
+    "Error",
+    "Failed",
+    "FrameReader",
+    "Free",
+    "Held",
+    "HeldFile",
+    "Lookup",
+    "Message",
+    "NotHeld",
+    "Notice",
+    "Ok",
+    "OpenWriter",
+    "ProtocolError",
+    "Segment",
+    "SnapshotDesc",
+    "Status",
+    "StatusReply",
+    "Submit",
+    "WriterOpened",
+    "decode",
+    "encode",
+    "read_async",
+    "send_frame",
+]
+
+MAX_FRAME = 64 * 1024 * 1024
+"""The largest frame either side accepts (a snapshot's description: its trees,
+metrics, metadata and tensor entries; tensor bytes travel in shared memory)."""
+
+_PREFIX = struct.Struct(">I")
+
+FRAME_SECONDS = 30.0
+"""How long the rest of a frame may take once its length arrived (service side)."""
+
+
+class ProtocolError(ServiceError):
+    """A frame that is not a message of this protocol (garbage, too large, cut short,
+    an unknown kind)."""
+
+
+class _Msg(msgspec.Struct, tag=True, tag_field="kind", forbid_unknown_fields=True):
+    pass
+
+
+# -- requests (client -> service) ---------------------------------------------------
+
+
+class OpenWriter(_Msg):
+    """Start a write service for one writer: its root, storage and retention options."""
+
+    id: int
+    root: str
+    storage_options: dict[str, Any] | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
+    max_pending: int = 1
+    max_concurrency: int = 8
+    newer_steps: str = "error"
+
+
+class Alloc(_Msg):
+    """A shared-memory segment of ``nbytes`` to capture into (waits while memory is full)."""
+
+    id: int
+    nbytes: int
+
+
+class Free(_Msg):
+    """Give back a segment that will not be submitted (its capture failed)."""
+
+    id: int
+    segment: int
+
+
+class EntryDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One tensor of a component's data region (``header.TensorEntry``)."""
+
+    name: str
+    dtype: str  # the safetensors dtype code
+    shape: list[int]
+    begin: int
+    end: int
+
+
+class ComponentDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One captured component: its encoded tree and where its tensors are in the segment."""
+
+    name: str
+    tree: bytes
+    entries: list[EntryDesc]
+    offset: int
+    nbytes: int
+
+
+class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything ``plan.Snapshot`` holds but the staging buffer (the segment)."""
+
+    step: int
+    created_at: datetime
+    components: list[ComponentDesc]
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+    specs: dict[str, SpecEntry] = msgspec.field(default_factory=dict)
+    per_rank: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Submit(_Msg):
+    """Write ``snapshot`` (captured into ``segment``) for ``writer``: the service owns it now."""
+
+    id: int
+    writer: int
+    segment: int
+    snapshot: SnapshotDesc
+
+
+class Lookup(_Msg):
+    """Does the service hold ``step`` of ``root`` in memory?"""
+
+    id: int
+    root: str
+    storage_options: dict[str, Any] | None
+    step: int
+
+
+class Status(_Msg):
+    id: int
+
+
+# -- replies and events (service -> client) -----------------------------------------
+
+
+class WriterOpened(_Msg):
+    id: int
+    writer: int
+
+
+class Segment(_Msg):
+    """A segment (its fd beside the frame) of ``size`` bytes, to map read-write."""
+
+    id: int
+    segment: int
+    size: int
+
+
+class Ok(_Msg):
+    id: int
+
+
+class Accepted(_Msg):
+    """The service owns the save now: it commits even if the client dies."""
+
+    id: int
+    save: int
+
+
+class HeldFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A file of a held checkpoint: its ``head`` bytes, then ``length`` bytes of the
+    segment from ``offset``."""
+
+    path: str
+    head: bytes
+    offset: int = 0
+    length: int = 0
+
+
+class Held(_Msg):
+    """The held checkpoint (its segment's read-only fd beside the frame) and the
+    manifest bytes it was committed with."""
+
+    id: int
+    step: int
+    manifest: bytes
+    files: list[HeldFile]
+    size: int
+
+
+class NotHeld(_Msg):
+    id: int
+
+
+class StatusReply(_Msg):
+    id: int
+    pid: int
+    saves_in_flight: int
+    bytes_staged: int
+    bytes_kept: int
+    memory_limit: int | None
+    kept: dict[str, list[int]]
+    clients: int
+    committed: int
+    failed: int
+
+
+class Committed(_Msg):
+    save: int
+    info: CheckpointInfo
+
+
+class Failed(_Msg):
+    """A save failed: ``error`` names a checkpointd error class, ``message`` says why."""
+
+    save: int
+    error: str
+    message: str
+
+
+class Notice(_Msg):
+    """A background error after a commit (retention), to raise at the next save or wait."""
+
+    writer: int
+    error: str
+    message: str
+
+
+class Error(_Msg):
+    """A request (``id``; 0 if unknown) was refused; after a protocol error the service
+    closes the connection."""
+
+    id: int
+    error: str
+    message: str
+
+
+Message = (
+    OpenWriter
+    | Alloc
+    | Free
+    | Submit
+    | Lookup
+    | Status
+    | WriterOpened
+    | Segment
+    | Ok
+    | Accepted
+    | Held
+    | NotHeld
+    | StatusReply
+    | Committed
+    | Failed
+    | Notice
+    | Error
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """The frame of ``message``: length prefix and msgpack body."""
+    body = _ENCODER.encode(message)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(
+            f"a {type(message).__name__} message encodes to {len(body)} bytes, over the "
+            f"service's {MAX_FRAME}-byte limit (the state's non-tensor part is too large)"
+        )
+    return _PREFIX.pack(len(body)) + body
+
+
+def decode(body: bytes | memoryview) -> Message:
+    """The message in a frame's body; ProtocolError if it is not one."""
+    try:
+        return _DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"not a message of the checkpointd service protocol: {exc}") from None
+
+
+def body_length(prefix: bytes) -> int:
+    """The body length a 4-byte prefix announces; ProtocolError over MAX_FRAME."""
+    (length,) = _PREFIX.unpack(prefix)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"a frame of {length} bytes announced; the limit is {MAX_FRAME}")
+    return int(length)
+
+
+def send_frame(sock: socket.socket, message: Message, fds: list[int] | None = None) -> None:
+    """Send one frame on a blocking socket, with ``fds`` (SCM_RIGHTS) if any."""
+    frame = encode(message)
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        frame = frame[sent:]
+    if frame:
+        sock.sendall(frame)
+
+
+class FrameReader:
+    """Reads frames from a blocking socket, collecting the fds that arrive beside them."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fds: list[int] = []
+        self._buffer = bytearray()
+
+    def _fill(self, count: int) -> bool:
+        while len(self._buffer) < count:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 8)
+            self.fds.extend(fds)
+            if not data:
+                return False
+            self._buffer += data
+        return True
+
+    def read(self) -> Message | None:
+        """The next message, or None at a clean end of the stream; ProtocolError on a
+        bad frame or a stream cut in the middle of one."""
+        if not self._fill(4):
+            if self._buffer:
+                raise ProtocolError("the stream ended inside a frame's length prefix")
+            return None
+        length = body_length(bytes(self._buffer[:4]))
+        if not self._fill(4 + length):
+            raise ProtocolError("the stream ended inside a frame")
+        body = bytes(self._buffer[4 : 4 + length])
+        del self._buffer[: 4 + length]
+        return decode(body)
+
+    def take_fd(self) -> int:
+        """The oldest fd received and not yet taken; ProtocolError if none came."""
+        if not self.fds:
+            raise ProtocolError("a message that carries a file descriptor came without one")
+        return self.fds.pop(0)
+
+    def close(self) -> None:
+        """Close the fds received and never taken."""
+        for fd in self.fds:
+            os_close(fd)
+        self.fds.clear()
+
+
+def os_close(fd: int) -> None:
+    import os
+
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+async def read_async(stream: ByteReceiveStream, buffer: bytearray) -> Message | None:
+    """The next frame's message from an anyio stream (the service's side), None at a
+    clean end; ProtocolError otherwise (a frame's body must arrive within
+    FRAME_SECONDS of its length)."""
+
+    async def fill(count: int) -> bool:
+        while len(buffer) < count:
+            try:
+                buffer.extend(await stream.receive(1 << 20))
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return False
+        return True
+
+    if not await fill(4):
+        if buffer:
+            raise ProtocolError("the stream ended inside a frame's length prefix")
+        return None
+    length = body_length(bytes(buffer[:4]))
+    with anyio.move_on_after(FRAME_SECONDS) as scope:
+        complete = await fill(4 + length)
+    if scope.cancelled_caught:
+        raise ProtocolError(f"a frame's body did not arrive within {FRAME_SECONDS}s")
+    if not complete:
+        raise ProtocolError("the stream ended inside a frame")
+    body = bytes(buffer[4 : 4 + length])
+    del buffer[: 4 + length]
+    return decode(body)

@@ -1,0 +1,78 @@
+"""Shared-memory segments: memfd files the service creates, sized once, mapped by both sides.
+
+A segment has no name anyone could guess or open: it exists only as file
+descriptors, passed to a client over the socket (SCM_RIGHTS). The service maps
+each segment it hands out; a client maps the fd it received (read-write to
+capture into, read-only to restore from) and closes the fd. The memory is freed
+once every mapping and fd is gone. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+from checkpointd.errors import ServiceError
+
+__all__ = ["MappedSegment", "map_fd", "readonly_fd"]
+
+
+class MappedSegment:
+    """One segment as the service holds it: its fd and its (read-write) mapping."""
+
+    def __init__(self, ident: int, size: int) -> None:
+        self.ident = ident
+        self.size = size
+        self.capacity = max(size, 1)
+        """Bytes the memfd holds (at least ``size``: a reused segment may be larger)."""
+        try:
+            self.fd = os.memfd_create(f"checkpointd-{ident}", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise ServiceError(f"cannot create a shared-memory segment: {exc}") from exc
+        try:
+            os.ftruncate(self.fd, max(size, 1))
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, max(size, 1), flags=flags)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def reuse(self, ident: int, size: int) -> MappedSegment:
+        """This segment's memory (already faulted in) as segment ``ident`` of ``size``
+        bytes (at most its capacity). The old contents stay until overwritten."""
+        assert size <= self.capacity
+        self.ident, self.size = ident, size
+        return self
+
+    def view(self) -> memoryview:
+        """The segment's bytes (valid while the segment is open)."""
+        return memoryview(self.map)[: self.size]
+
+    def close(self) -> None:
+        """Close the fd and unmap; a mapping still exported (a view alive) is left to
+        the garbage collector. Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(BufferError):  # views of it still alive: unmapped when
+            self.map.close()  # they go
+
+
+def readonly_fd(fd: int) -> int:
+    """A new fd for the same memfd, opened read-only (Linux: through /proc/self/fd)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def map_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:
+    """Map a received segment fd (then closed); ServiceError if it is not ``size`` bytes."""
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < max(size, 1):
+            raise ServiceError(f"a segment of {actual} bytes came where {size} were announced")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # MAP_POPULATE: the pages are mapped in one go, not faulted in one by one
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
+    finally:
+        os.close(fd)

@@ -1,0 +1,188 @@
+"""A real ``checkpointd serve`` process for tests, and trainer subprocesses that use it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointd.daemon.client import Connection
+from checkpointd.errors import ServiceError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this checkout's code first."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        **extra,
+    }
+
+
+def wait_answers(
+    socket: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Block until a service answers at ``socket``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            Connection(socket).close()
+            return
+        except ServiceError:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the service exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@dataclass
+class Service:
+    """A running ``checkpointd serve``: its process, socket and log."""
+
+    proc: subprocess.Popen[bytes]
+    socket: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def socket_folder() -> str:
+    """A fresh 0700 folder with a short path (a socket path has at most 107 bytes)."""
+    return tempfile.mkdtemp(prefix="ckd-", dir="/tmp")
+
+
+def start_service(
+    folder: str, *args: str, gate: str | None = None, hold: str = "make_dir"
+) -> Service:
+    """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
+    every save's writes wait until that file exists (service_jobs.held_serve)."""
+    socket = os.path.join(folder, "sock")
+    log = Path(folder) / "serve.log"
+    command = ["-m", "checkpointd", "serve"]
+    if gate is not None:
+        command = ["-m", "tests.support.service_jobs", "held-serve", gate, hold, "--"]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *command, "--socket", socket, *args],
+            env=child_env(),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        wait_answers(socket, proc=proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return Service(proc, socket, log)
+
+
+@contextmanager
+def running_service(
+    *args: str, gate: str | None = None, hold: str = "make_dir"
+) -> Iterator[Service]:
+    """A service in a fresh socket folder for the block; stopped (and the folder
+    removed) after."""
+    folder = socket_folder()
+    try:
+        running = start_service(folder, *args, gate=gate, hold=hold)
+        try:
+            yield running
+        finally:
+            running.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def trainer(
+    socket: str, root: str, steps: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """A trainer subprocess (service_jobs.trainer), its stdout a pipe of lines."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.service_jobs",
+            "trainer",
+            socket,
+            root,
+            str(steps),
+            *extra,
+        ],
+        env=child_env(**(env or {})),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def reap(proc: subprocess.Popen[str]) -> str:
+    """Kill ``proc`` if it still runs, wait for it, close its pipes; its stderr."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    err = proc.stderr.read() if proc.stderr is not None and not proc.stderr.closed else ""
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return err
+
+
+def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code *args`` with this checkout's code; its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def files_by_component(root: Path, step: int) -> dict[str, bytes]:
+    """Each file of a committed step by component and kind (names carry a random token)."""
+    import msgspec
+
+    folder = root / f"{step:012d}"
+    manifest = msgspec.json.decode((folder / "manifest.json").read_bytes())
+    found: dict[str, bytes] = {}
+    for name, entry in manifest["components"].items():
+        found[f"{name}.tree"] = (folder / entry["tree"]).read_bytes()
+        for i, tensors in enumerate(entry["tensors"]):
+            found[f"{name}.tensors{i}"] = (folder / tensors).read_bytes()
+    return found
+
+
+def args_list(values: Sequence[object]) -> list[str]:
+    return [str(v) for v in values]

@@ -1,0 +1,76 @@
+"""Child processes for the service's fault tests: a trainer that saves through a service,
+and a service whose writes are held (a save stays in flight until a file appears).
+
+``python -m tests.support.service_jobs trainer SOCKET ROOT STEPS [hang-in-copy]``
+prints ``returned N`` (flushed) once ``save(N)`` has returned; with ``hang-in-copy``
+it stops for good right after the service handed it a segment (as if the copy into
+shared memory were under way) and prints ``copying``.
+``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
+``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
+first storage call; ``sync_dir``: after its files are written, before the manifest)
+waiting for file GATE.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def expected_state(step: int) -> dict[str, torch.Tensor]:
+    """The state a trainer saves at ``step`` (deterministic, so a test can recompute it)."""
+    generator = torch.Generator().manual_seed(step)
+    return {
+        "weights": torch.randn(256, 256, generator=generator),
+        "step": torch.full((3,), step, dtype=torch.int64),
+    }
+
+
+def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
+    import checkpointd
+    from checkpointd.daemon import remote
+
+    if hang_in_copy:
+        real = remote._SegmentBuffer._allocate
+
+        def allocate(self: Any, nbytes: int, pinned: bool) -> torch.Tensor:
+            real(self, nbytes, pinned)  # the service has handed out the segment
+            print("copying", flush=True)
+            while True:
+                time.sleep(1)
+
+        remote._SegmentBuffer._allocate = allocate  # type: ignore[method-assign]
+    with checkpointd.CheckpointWriter(root, service=socket) as writer:
+        for step in range(steps):
+            writer.save(step, {"model": expected_state(step)})
+            print(f"returned {step}", flush=True)
+        writer.wait()
+    from checkpointd.daemon.client import status
+
+    print(f"service pid {status(socket).pid}", flush=True)
+
+
+def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
+    from checkpointd.cli import main
+    from checkpointd.storage import LocalStore
+
+    real = getattr(LocalStore, method)
+
+    def held(self: LocalStore, path: str) -> None:
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        real(self, path)
+
+    setattr(LocalStore, method, held)
+    sys.exit(main(["serve", *serve_args]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "trainer":
+        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["hang-in-copy"])
+    else:
+        held_serve(sys.argv[2], sys.argv[3], sys.argv[5:])
