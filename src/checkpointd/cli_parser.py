@@ -1,16 +1,22 @@
 """The ``checkpointd`` command line's arguments: one parser with a subcommand per tool.
 
 ``cli.main`` parses with ``build_parser()`` and dispatches on ``args.command``;
-nothing here runs a command or imports torch.
+nothing here runs a command or imports torch (``open_root`` turns the
+parsed root into its Store).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DESCRIPTION", "build_parser", "storage_options"]
+if TYPE_CHECKING:
+    from checkpointd.storage import Store
+
+__all__ = ["DESCRIPTION", "build_parser", "open_root", "storage_options"]
 
 DESCRIPTION = (
     "The ``checkpointd`` command line: the demo job and tools to look after a checkpoint root."
@@ -38,6 +44,18 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             target = target.setdefault(parent, {})
         target[leaf] = value
     return options or None
+
+
+@contextlib.contextmanager
+def open_root(args: argparse.Namespace) -> Iterator[Store]:
+    """The Store of the parsed ``args.root`` (with its storage options), closed on exit."""
+    from checkpointd.storage import open_store
+
+    store = open_store(args.root, storage_options(args))
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,8 +17,6 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import msgspec
-import numpy as np
 import torch
 
 from checkpointd import lifecycle, tunables
@@ -35,13 +33,14 @@ from checkpointd.errors import (
 )
 from checkpointd.handle import SaveHandle
 from checkpointd.layout import MAX_STEP, is_step
-from checkpointd.manifest import CheckpointInfo, SpecEntry, too_deep
+from checkpointd.manifest import CheckpointInfo, SpecEntry
 from checkpointd.plan import Snapshot
 from checkpointd.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.retention import RetentionPolicy
 from checkpointd.service import NewerSteps, WriteService
 from checkpointd.staging import STAGING_MODES, Stager, Staging, StagingMode
 from checkpointd.storage import LocalStore, open_store
+from checkpointd.writer_args import plain_metrics_and_metadata, writer_policy
 
 if TYPE_CHECKING:
     from checkpointd.daemon.remote import RemoteService
@@ -141,7 +140,7 @@ class WriterBase:
         if staging not in STAGING_MODES:
             raise InvalidArgumentError(f"staging must be one of {STAGING_MODES}, not {staging!r}")
         loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
-        self.policy = _policy(retention, loose)
+        self.policy = writer_policy(retention, loose)
         self.background_niceness = background_niceness
         self.staging: StagingMode = staging
         self._stager = Stager() if staging == "overlapped" else None
@@ -224,15 +223,7 @@ class WriterBase:
         if any(h.step == step for h in self._pending):
             raise CheckpointExistsError(f"a save of step {step} is already in progress")
         self._check_step_order(step)
-        plain_metrics, metrics_bytes = _plain_json(metrics, "metrics")
-        plain_metadata, metadata_bytes = _plain_json(metadata, "metadata")
-        if metrics_bytes + metadata_bytes > tunables.MAX_METADATA_BYTES:
-            raise UnsupportedValueError(
-                f"metrics and metadata of step {step} encode to {metrics_bytes + metadata_bytes} "
-                f"bytes; at most {tunables.MAX_METADATA_BYTES} fit in a manifest (readers refuse "
-                "larger ones): put large values in the state instead"
-            )
-        return plain_metrics, plain_metadata
+        return plain_metrics_and_metadata(step, metrics, metadata)
 
     def _check_step_order(self, step: int) -> None:
         newest = self._service.newest
@@ -406,50 +397,3 @@ def _group(process_group: Any) -> Group | None:
     from checkpointd.distributed import resolve_group
 
     return resolve_group(process_group)
-
-
-def _policy(retention: RetentionPolicy | None, loose: RetentionPolicy) -> RetentionPolicy:
-    """The writer's policy: ``retention`` or the one made of the loose options, never both."""
-    if retention is None:
-        return loose
-    if not isinstance(retention, RetentionPolicy):
-        raise InvalidArgumentError(
-            f"retention must be a RetentionPolicy, not {type(retention).__qualname__}"
-        )
-    if loose != RetentionPolicy():
-        raise InvalidArgumentError(
-            "pass retention=RetentionPolicy(...) or keep_last/keep_every/keep_best/"
-            "best_metric/best_mode, not both"
-        )
-    return retention
-
-
-def _json_hook(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, np.generic):
-        return value.item()
-    raise UnsupportedValueError(f"{type(value).__qualname__} is not JSON-able")
-
-
-def _plain_json(value: Mapping[str, Any] | None, what: str) -> tuple[dict[str, Any], int]:
-    """A plain-JSON copy of ``value`` and its encoded size: scalar tensors and NumPy
-    scalars become numbers, NaN and infinities become null (JSON has neither)."""
-    if value is None:
-        return {}, 2
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise UnsupportedValueError(f"{what} must be a mapping with str keys")
-    try:
-        encoded = msgspec.json.encode(value, enc_hook=_json_hook)
-        plain: dict[str, Any] = msgspec.json.decode(encoded)
-    except (UnsupportedValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
-        raise UnsupportedValueError(f"{what} must be JSON-able: {exc}") from exc
-    except RecursionError:
-        raise UnsupportedValueError(
-            f"{what} nests deeper than {tunables.MAX_JSON_DEPTH} levels: readers refuse such a manifest"
-        ) from None
-    if too_deep(plain):
-        raise UnsupportedValueError(
-            f"{what} nests deeper than {tunables.MAX_JSON_DEPTH} levels: readers refuse such a manifest"
-        )
-    return plain, len(encoded)
