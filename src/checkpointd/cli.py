@@ -101,7 +101,7 @@ def _ls_verified(args: argparse.Namespace) -> int:
 
     from checkpointd.catalog import scan, step_path
     from checkpointd.manifest import CheckpointInfo
-    from checkpointd.reader import verify_step
+    from checkpointd.verify import verify_step
 
     rows: list[tuple[int, CheckpointInfo | None, list[str]]] = []
     seen: dict[tuple[str, int], str | None] = {}  # shared blobs: read once

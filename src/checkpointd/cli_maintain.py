@@ -42,7 +42,7 @@ def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from checkpointd.reader import verify_step
+    from checkpointd.verify import verify_step
 
     checked = done = 0  # done: bytes read (a shared blob once, however many steps use it)
     seen: dict[tuple[str, int], str | None] = {}  # a shared blob is read once

@@ -17,12 +17,21 @@ reads fault the pages in. Any thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import mmap
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["prefault"]
+from checkpointd import tunables
+from checkpointd.checksum import crc32c, crc32c_combine
+
+if TYPE_CHECKING:
+    import torch
+
+    from checkpointd.storage.base import PinnedFile
+
+__all__ = ["prefault", "read_checked"]
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 _PAGE = mmap.PAGESIZE
@@ -57,3 +66,26 @@ def prefault(address: int, length: int) -> None:
     start = address - address % _PAGE
     if function(start, length + (address - start), _MADV_POPULATE_WRITE) != 0:
         _works = False  # EINVAL before Linux 5.14 (or not Linux): let the reads fault
+
+
+def read_checked(pinned: PinnedFile, data: torch.Tensor) -> int:
+    """Fill ``data`` (fresh memory) from ``pinned`` in chunks, each faulted in, read and
+    checksummed by one of ``tunables.FILE_READ_THREADS`` threads (all three release the
+    GIL); the CRC32C of the whole, combined from the chunks' in order."""
+    chunk = tunables.READ_CHUNK_BYTES
+    view = data.numpy().data.cast("B")
+    base = data.data_ptr()
+
+    def work(at: int) -> int:
+        part = view[at : at + chunk]
+        prefault(base + at, len(part))
+        pinned.read_into(part, at)
+        return crc32c(part)
+
+    offsets = range(0, len(view), chunk)
+    with concurrent.futures.ThreadPoolExecutor(tunables.FILE_READ_THREADS) as pool:
+        digests = list(pool.map(work, offsets))
+    digest = 0
+    for at, part in zip(offsets, digests, strict=True):
+        digest = crc32c_combine(digest, part, min(chunk, len(view) - at))
+    return digest

@@ -10,19 +10,20 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpointd import catalog, tunables
-from checkpointd.checksum import crc32c, crc32c_combine
+from checkpointd.checksum import crc32c
+from checkpointd.component_tensors import ComponentTensors
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageNotFoundError,
 )
+from checkpointd.hostmem import read_checked
 from checkpointd.layout import blob_path
 from checkpointd.manifest import (
     MANIFEST_NAME,
@@ -35,7 +36,6 @@ from checkpointd.manifest import (
     step_dirname,
 )
 from checkpointd.storage import Store
-from checkpointd.storage.base import PinnedFile
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +43,7 @@ if TYPE_CHECKING:
     from checkpointd.header import TensorEntry
     from checkpointd.shards import Box
 
-__all__ = ["StepReader", "verify_step"]
-
-Progress = Callable[[int], None]
-"""Called with the number of bytes just read (from the reading thread)."""
+__all__ = ["StepReader"]
 
 
 class StepReader:
@@ -109,7 +106,7 @@ class StepReader:
             pinned = self.store.open_pinned(path) if large else None
             if pinned is not None:
                 try:
-                    self._check_digest(name, _read_checked(pinned, data))
+                    self._check_digest(name, read_checked(pinned, data))
                 finally:
                     pinned.close()
                 return data
@@ -207,7 +204,7 @@ class StepReader:
         from checkpointd.format import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = _ComponentTensors(self, entry, templates or {}, preloaded or {})
+        tensors = ComponentTensors(self, entry, templates or {}, preloaded or {})
         if tree is None:
             tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
@@ -329,163 +326,3 @@ class StepReader:
                     f"{at} (used by {self.where}): its bytes hash to {actual}, not its name"
                 )
         return data.view(dtype).view(shape)
-
-    def verify_file(self, entry: FileEntry, progress: Progress | None = None) -> str | None:
-        """Stream every byte of one file through CRC32C; what is wrong with it, or None.
-
-        Reads in ``tunables.READ_CHUNK_BYTES`` pieces (constant memory), calling ``progress`` after each.
-        """
-        return self._verify_path(f"{self.folder}/{entry.path}", entry.size, entry.crc32c, progress)
-
-    def verify_blob(self, entry: BlobEntry, progress: Progress | None = None) -> str | None:
-        """As ``verify_file``, for a shared blob the checkpoint uses: its bytes must hash
-        (XXH3-128) to its name."""
-        return self._verify_path(blob_path(entry.name), entry.size, entry.name, progress)
-
-    def _verify_path(
-        self, path: str, expected_size: int, expected: int | str, progress: Progress | None
-    ) -> str | None:
-        """Size, then CRC32C (``expected`` an int) or blob name (a str) of ``path``."""
-        from checkpointd.digest import BlobHasher
-
-        hasher = BlobHasher() if isinstance(expected, str) else None
-        try:
-            size = self.store.size(path)
-            if size != expected_size:
-                return f"size {size} does not match the manifest's {expected_size}"
-            chunk = tunables.READ_CHUNK_BYTES
-            buffer = bytearray(min(chunk, size))
-            digest = 0
-            for offset in range(0, size, chunk):
-                view = memoryview(buffer)[: min(chunk, size - offset)]
-                self.store.read_into(path, view, offset)
-                if hasher is not None:
-                    hasher.update(view)
-                else:
-                    digest = crc32c(view, digest)
-                if progress is not None:
-                    progress(len(view))
-        except StorageNotFoundError:
-            return "listed in the manifest but missing"
-        if hasher is not None:
-            name = hasher.name()
-            return None if name == expected else f"its bytes hash to {name}, not its name"
-        if digest != expected:
-            return f"CRC32C {digest:08x} does not match the manifest's {expected:08x}"
-        return None
-
-
-def _read_checked(pinned: PinnedFile, data: torch.Tensor) -> int:
-    """Fill ``data`` (fresh memory) from ``pinned`` in chunks, each faulted in, read and
-    checksummed by one of ``tunables.FILE_READ_THREADS`` threads (all three release the
-    GIL); the CRC32C of the whole, combined from the chunks' in order."""
-    from checkpointd.hostmem import prefault
-
-    chunk = tunables.READ_CHUNK_BYTES
-    view = data.numpy().data.cast("B")
-    base = data.data_ptr()
-
-    def work(at: int) -> int:
-        part = view[at : at + chunk]
-        prefault(base + at, len(part))
-        pinned.read_into(part, at)
-        return crc32c(part)
-
-    offsets = range(0, len(view), chunk)
-    with concurrent.futures.ThreadPoolExecutor(tunables.FILE_READ_THREADS) as pool:
-        digests = list(pool.map(work, offsets))
-    digest = 0
-    for at, part in zip(offsets, digests, strict=True):
-        digest = crc32c_combine(digest, part, min(chunk, len(view) - at))
-    return digest
-
-
-class _ComponentTensors(Mapping[str, "torch.Tensor"]):
-    """A component's tensors by name, read when the tree decoder asks for them: the
-    plain tensor files all at once on first use, sharded tensors one by one."""
-
-    def __init__(
-        self,
-        reader: StepReader,
-        entry: ComponentEntry,
-        templates: Mapping[str, Any],
-        preloaded: Mapping[str, Mapping[str, torch.Tensor]],
-    ):
-        self.reader = reader
-        self.entry = entry
-        self.templates = templates
-        self.preloaded = preloaded
-        self._plain: dict[str, torch.Tensor] | None = None
-
-    def plain(self) -> dict[str, torch.Tensor]:
-        """The tensors of the component's tensor files and shared blobs, read on first use."""
-        if self._plain is None:
-            plain: dict[str, torch.Tensor] = {}
-            for tensor_file in self.entry.tensors:
-                done = self.preloaded.get(tensor_file)
-                plain.update(self.reader.tensors(tensor_file) if done is None else done)
-            for tensor, ref in self.entry.refs.items():
-                if tensor in plain:
-                    raise CorruptCheckpointError(
-                        f"{self.reader.where}: tensor {tensor!r} is both in a file and a blob"
-                    )
-                plain[tensor] = self.reader.blob_tensor(ref.blob, ref.dtype, ref.shape, tensor)
-            self._plain = plain
-        return self._plain
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from checkpointd.shards import as_template
-
-        sharded = self.entry.sharded.get(name)
-        template = self.templates.get(name)
-        if template is None:
-            if sharded is None:
-                return self.plain()[name]
-            return self.reader.region(
-                name, sharded, ((0,) * len(sharded.shape), tuple(sharded.shape))
-            )
-        plain = None if sharded is not None else self.plain()[name]
-        placed: torch.Tensor = as_template(name, template, plain, sharded, self.reader.region)
-        return placed
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.entry.sharded or name in self.plain()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter({**self.plain(), **self.entry.sharded})
-
-    def __len__(self) -> int:
-        return len({**self.plain(), **self.entry.sharded})
-
-
-def verify_step(
-    store: Store,
-    step: int,
-    manifest: Manifest,
-    progress: Progress | None = None,
-    *,
-    seen: dict[tuple[str, int], str | None] | None = None,
-) -> list[str]:
-    """Check every file and shared blob of a committed step (sizes, CRC32C of files,
-    XXH3-128 of blobs against their names); one line per bad file or blob.
-
-    ``seen`` caches blob results across calls (a blob shared by many checkpoints is
-    read once); a bad blob is reported again for every checkpoint that uses it.
-    """
-    reader = StepReader(store, step, manifest)
-    bad: list[str] = []
-    for entry in manifest.files:
-        problem = reader.verify_file(entry, progress)
-        if problem is not None:
-            bad.append(f"{reader.where}/{entry.path}: {problem}")
-    for blob in manifest.blobs:
-        key = (blob.name, blob.size)
-        if seen is not None and key in seen:
-            problem = seen[key]
-        else:
-            problem = reader.verify_blob(blob, progress)
-            if seen is not None:
-                seen[key] = problem
-        if problem is not None:
-            bad.append(f"{store.url.rstrip('/')}/{blob_path(blob.name)} (shared): {problem}")
-    return bad

@@ -20,10 +20,10 @@ from checkpointd import catalog, tunables
 from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
 from checkpointd.housekeeping import apply_gc, plan_gc
 from checkpointd.layout import BLOBS_DIR, PINS_DIR, blob_path, is_blob_name
-from checkpointd.reader import verify_step
 from checkpointd.retention import RetentionPolicy, delete_checkpoints
 from checkpointd.shared import write_pin
 from checkpointd.storage import Store, open_store
+from checkpointd.verify import verify_step
 from tests.conftest import Root
 from tests.faults.helpers import same
 from tests.support.gates import hold_local_writes

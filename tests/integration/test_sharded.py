@@ -21,8 +21,8 @@ import torch
 import checkpointd
 from checkpointd import catalog
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.reader import verify_step
 from checkpointd.storage import open_store
+from checkpointd.verify import verify_step
 from tests.support.launch import REPO, run_ranks
 from tests.support.s3 import MotoS3
 
