@@ -41,11 +41,13 @@ Nothing is pickled.
 
 Resuming. ``train(resume_from_checkpoint=True)`` takes the newest committed
 checkpoint of the root, an ``int`` that step, a ``str`` the newest of another
-root. The data position is Trainer's own (the batches of the interrupted epoch
-are skipped and the RNG restored after them, as Trainer does), which is exact
-with Trainer's default seedable sampler and a collator that draws no random
-numbers. A checkpoint saved with another batch size, gradient accumulation,
-seed or world size is refused (RestoreMismatchError) before anything changes.
+root, ``(root, step)`` that step of that root (rolling back into the same root
+is refused: its newer steps would meet this run's saves). The data position is
+Trainer's own (the batches of the interrupted epoch are skipped and the RNG is
+restored after them, as Trainer does), which is exact with Trainer's default
+seedable sampler and a collator that draws no random numbers. A checkpoint
+saved with another batch size, gradient accumulation, seed or world size is
+refused (RestoreMismatchError) before anything changes.
 
 Scope: one process (``world_size == 1``); DeepSpeed, FSDP, SageMaker MP and
 ``load_best_model_at_end`` are refused with InvalidArgumentError. Every method
@@ -64,6 +66,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
 
+from checkpointd.catalog import list_checkpoints
 from checkpointd.errors import InvalidArgumentError, RestoreMismatchError
 from checkpointd.manifest import CheckpointInfo
 from checkpointd.restore import load, restore
@@ -144,19 +147,18 @@ class CheckpointdMixin(_Base):
     def has_checkpoint(self) -> bool:
         """Whether the root holds a committed checkpoint: ``train(resume_from_checkpoint=
         trainer.has_checkpoint())`` resumes when there is one and starts fresh otherwise."""
-        from checkpointd.catalog import list_checkpoints
-
         return bool(list_checkpoints(self.checkpointd_root, storage_options=self.storage_options))
 
     def train(
         self,
-        resume_from_checkpoint: bool | int | str | None = None,
+        resume_from_checkpoint: bool | int | str | tuple[str, int] | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
         """Trainer's ``train``, resuming from a checkpointd checkpoint: True for the newest
-        committed one of the root, an int for that step, a str for the newest of that
-        root. Waits for every pending save before it returns; raises the first save
+        committed one of the root, an int for that step (refused if newer ones exist
+        there), a str for the newest of that root, ``(root, step)`` for that step of
+        that root. Waits for every pending save before it returns; raises the first save
         failure (after the training's own error, if it failed)."""
         self._refuse_unsupported()
         self._checkpointd_resume = None
@@ -236,17 +238,28 @@ class CheckpointdMixin(_Base):
 
     # --- resuming ---
 
-    def _open_resume(self, which: bool | int | str) -> _Resume:
+    def _open_resume(self, which: bool | int | str | tuple[str, int]) -> _Resume:
         """Load the small components (trainer state, RNG, loop) of the checkpoint to resume
         and check that it fits this run; the rest is restored once the optimizer exists."""
         root, step = self.checkpointd_root, None
-        if isinstance(which, str):
-            root = which
+        if isinstance(which, tuple):
+            root, step = os.fspath(which[0]), int(which[1])
+        elif isinstance(which, str | os.PathLike):
+            root = os.fspath(which)
         elif not isinstance(which, bool):
             step = int(which)
         checkpoint = load(
             root, step, components=[STATE, RNG, LOOP], storage_options=self.storage_options
         )
+        if root == self.checkpointd_root and step is not None:
+            newest = list_checkpoints(root, storage_options=self.storage_options)[-1].step
+            if newest > step:
+                raise InvalidArgumentError(
+                    f"cannot resume from step {step} into {root}: it holds newer steps (up to "
+                    f"{newest}) of the run being rolled back, which this run's saves would "
+                    "meet; resume into another root: CheckpointdTrainer(..., "
+                    f"checkpointd_root=NEW).train(resume_from_checkpoint=({root!r}, {step}))"
+                )
         saved = checkpoint.info.metadata.get("transformers_args", {})
         now = self._position_args()
         differ = [

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import checkpointd
-from checkpointd.errors import RestoreMismatchError
+from checkpointd.errors import InvalidArgumentError, RestoreMismatchError
 from tests.conftest import Root
 from tests.support import transformers_job
 
@@ -126,3 +126,20 @@ def test_import_checkpointd_does_not_import_transformers() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_resume_from_a_step_needs_the_restored_rng(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The straight run keeps steps 20 and 24 (save_total_limit=2); step 20 is mid-epoch 2.
+    straight = transformers_job.fit(str(tmp_path / "straight"))
+    root = str(tmp_path / "straight" / "checkpointd")
+    with pytest.raises(InvalidArgumentError, match="holds newer steps"):
+        transformers_job.fit(str(tmp_path / "straight"), resume=20)
+    again = transformers_job.fit(str(tmp_path / "again"), resume=(root, 20))
+    _assert_same(again, straight)
+    assert [c.step for c in checkpointd.list_checkpoints(root)] == [20, 24]
+    # The control: the same resume without the saved generators (dropout draws differ).
+    monkeypatch.setattr(checkpointd.RNGState, "load_state_dict", lambda self, state: None)
+    blind = transformers_job.fit(str(tmp_path / "blind"), resume=(root, 20))
+    assert not torch.equal(blind["model.lm_head.weight"], straight["model.lm_head.weight"])

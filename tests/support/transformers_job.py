@@ -149,7 +149,7 @@ class _StopAfter:
 def fit(
     output_dir: str,
     *,
-    resume: bool | int | None = None,
+    resume: Any = None,
     kill_after: int | None = None,
     **options: Any,
 ) -> dict[str, torch.Tensor]:
