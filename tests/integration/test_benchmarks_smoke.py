@@ -79,3 +79,14 @@ def test_gpu_staging_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert "D2H floor" in out
     else:
         assert "no CUDA device" in out
+
+
+@pytest.mark.timeout(120)
+def test_transformers_benchmark_smoke() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import bench_transformers
+
+    tiny = ["--repeat", "1", "--steps", "4", "--every", "2", "--width", "32", "--layers", "1"]
+    summary = bench_transformers.main(tiny)
+    assert set(summary) == {"trainer", "checkpointd"}
+    assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
