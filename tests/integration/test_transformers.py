@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+if not os.environ.get("CI"):  # under CI a missing framework fails the collection
+    pytest.importorskip("transformers")
 
 import checkpointd
 from checkpointd.errors import InvalidArgumentError, RestoreMismatchError
