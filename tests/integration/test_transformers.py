@@ -115,15 +115,17 @@ def test_s3_killed_and_resumed_is_bit_exact(s3_root: Root, tmp_path: Path) -> No
 
 
 def test_resume_refuses_other_batch_size(tmp_path: Path) -> None:
+    assert not transformers_job.trainer(str(tmp_path)).has_checkpoint()
     transformers_job.fit(str(tmp_path), max_steps=4)
+    assert transformers_job.trainer(str(tmp_path)).has_checkpoint()
     with pytest.raises(RestoreMismatchError, match="per_device_train_batch_size"):
         transformers_job.fit(str(tmp_path), resume=True, per_device_train_batch_size=2)
 
 
-def test_import_checkpointd_does_not_import_transformers() -> None:
+def test_import_checkpointd_does_not_import_the_frameworks() -> None:
     code = (
         "import sys, checkpointd; checkpointd.CheckpointWriter, checkpointd.restore; "
-        "assert 'transformers' not in sys.modules"
+        "assert 'transformers' not in sys.modules; assert 'torchtitan' not in sys.modules"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
