@@ -146,3 +146,18 @@ def test_resume_from_a_step_needs_the_restored_rng(
     monkeypatch.setattr(checkpointd.RNGState, "load_state_dict", lambda self, state: None)
     blind = transformers_job.fit(str(tmp_path / "blind"), resume=(root, 20))
     assert not torch.equal(blind["model.lm_head.weight"], straight["model.lm_head.weight"])
+
+
+def test_a_failed_background_save_fails_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpointd.storage.local import LocalStore
+
+    def broken(self: LocalStore, path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    # Replacing the method skips LocalStore's own error translation: the OSError itself.
+    monkeypatch.setattr(LocalStore, "make_dir", broken)
+    with pytest.raises(OSError, match="No space left"):
+        transformers_job.fit(str(tmp_path), max_steps=4)
+    assert checkpointd.list_checkpoints(str(tmp_path / "checkpointd")) == []
