@@ -115,3 +115,24 @@ def test_service_benchmark_smoke(tmp_path: Path) -> None:
     assert kill["returned"] >= 1
     assert kill["committed_bit_exact"] == kill["returned"]
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+def test_transformers_benchmark_smoke() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import bench_transformers
+
+    tiny = ["--repeat", "1", "--steps", "4", "--every", "2", "--width", "32", "--layers", "1"]
+    summary = bench_transformers.main(tiny)
+    assert set(summary) == {"trainer", "checkpointd"}
+    assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
+
+
+@pytest.mark.timeout(120)
+def test_torchtitan_benchmark_smoke() -> None:
+    pytest.importorskip("torchtitan")
+    from benchmarks import bench_torchtitan
+
+    tiny = ["--repeat", "1", "--steps", "4", "--every", "2", "--width", "32", "--layers", "1"]
+    summary = bench_torchtitan.main(tiny)
+    assert set(summary) == {"dcp", "checkpointd"}
+    assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
