@@ -33,6 +33,7 @@ LOOP = textwrap.dedent(
 
     root, mode = sys.argv[1], sys.argv[2]
     seen = []
+    sent = []  # the second SIGTERM, sent once
     second = threading.Event()
 
     def earlier(signum, frame):  # a handler the user had: it must still be called
@@ -44,11 +45,15 @@ LOOP = textwrap.dedent(
     if mode == "second":
         original = LocalStore.open_file
         def open_file(self, path, size=None):
-            # Mid-save, on the writing thread: a second real SIGTERM, handled on the
-            # main thread (blocked in wait()) before this file is written on.
-            if not second.is_set():
+            # Mid-save, on the writing thread: a second real SIGTERM. Usually the main
+            # thread (blocked in wait()) runs its handler at once; the kernel may hand
+            # the signal to another thread, and then the handler runs only once the main
+            # thread wakes after the save, so carry on after a while instead of waiting
+            # on it (the parent still checks that both signals were handled).
+            if not sent:
+                sent.append(True)
                 os.kill(os.getpid(), signal.SIGTERM)
-                assert second.wait(30), "second SIGTERM not handled"
+                second.wait(5)
             return original(self, path, size)
     writer = checkpointd.CheckpointWriter(root)
     writer.watch_preemption((signal.SIGTERM,))
