@@ -103,30 +103,22 @@ class Attempt:
         """Post this rank's ``kind`` (msgspec JSON)."""
         self.group.store.set(self._key(f"{kind}/{self.group.rank}"), msgspec.json.encode(value))
 
-    @_lost_store
     def poll(self, kind: str, ranks: list[int]) -> dict[int, bytes]:
         """The values of ``kind`` that ``ranks`` posted so far."""
-        found = {}
-        for rank in ranks:
-            key = self._key(f"{kind}/{rank}")
-            if self.group.store.check([key]):
-                found[rank] = self.group.store.get(key)
-        return found
+        posted = {rank: self.read(f"{kind}/{rank}") for rank in ranks}
+        return {rank: value for rank, value in posted.items() if value is not None}
 
-    @_lost_store
     def decide(self, outcome: bytes) -> bytes:
         """Propose ``outcome``; return the one that holds (ours if we were first)."""
-        return bytes(self.group.store.compare_set(self._key("outcome"), "", outcome))
+        return self.set_once("outcome", outcome)
 
     def give_up(self, why: str) -> bytes:
         """Propose ``abandoned`` for ``why`` (prefixed with this rank); the outcome that holds."""
         return self.decide(_ABANDONED + f"rank {self.group.rank}: {why}".encode())
 
-    @_lost_store
     def outcome(self) -> bytes | None:
         """The decided outcome, or None while undecided."""
-        key = self._key("outcome")
-        return bytes(self.group.store.get(key)) if self.group.store.check([key]) else None
+        return self.read("outcome")
 
     @_lost_store
     def set_once(self, name: str, value: bytes) -> bytes:
