@@ -10,8 +10,6 @@ import random
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,10 +27,9 @@ from checkpointd.daemon.client import Connection, status
 from checkpointd.daemon.paths import check_folder, peer_uid
 from checkpointd.errors import ServiceError, ServiceMemoryError
 from tests.support.service import (
-    REPO,
     Service,
-    child_env,
     reap,
+    run_python,
     running_service,
     socket_folder,
     trainer,
@@ -234,15 +231,7 @@ def test_another_user_is_refused(service: Service) -> None:
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
         "r = p.FrameReader(s); m = r.read(); print(type(m).__name__, m.message); print(r.read())\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, service.socket],
-        env=child_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = run_python("-c", code, service.socket, check=True).stdout
     assert out.splitlines() == ["Error this service serves its own user only", "None"]
     os.chmod(folder, 0o700)
     assert status(service.socket).clients == 0
@@ -254,15 +243,7 @@ def test_loose_or_foreign_socket_folders_are_refused(tmp_path: Path) -> None:
         os.chmod(folder, 0o755)
         with pytest.raises(ServiceError, match="mode 0755"):
             check_folder(folder)
-        out = subprocess.run(
-            [sys.executable, "-m", "checkpointd", "serve", "--socket", f"{folder}/sock"],
-            env=child_env(),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        out = run_python("-m", "checkpointd", "serve", "--socket", f"{folder}/sock", check=False)
         assert out.returncode == 1
         assert "must be 0700" in out.stderr
         with pytest.raises(ServiceError, match="must be 0700"):
@@ -387,14 +368,6 @@ def test_service_killed_after_writing_files_leaves_nothing_visible_and_gc_clears
         writer.close()
     assert not (folder / "manifest.json").exists()
     assert checkpointd.list_checkpoints(root) == []
-    done = subprocess.run(
-        [sys.executable, "-m", "checkpointd", "gc", root, "--apply", "--older-than", "0"],
-        env=child_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python("-m", "checkpointd", "gc", root, "--apply", "--older-than", "0", check=False)
     assert done.returncode == 0, done.stderr
     assert not folder.exists() or not any(folder.iterdir())

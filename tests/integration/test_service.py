@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +14,9 @@ import torch
 import checkpointd
 from checkpointd.errors import InvalidArgumentError, ServiceError
 from tests.support.service import (
-    REPO,
     Service,
-    child_env,
     files_by_component,
+    run_python,
     running_service,
     socket_folder,
 )
@@ -76,14 +73,8 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
     root = str(tmp_path / "r")
     with checkpointd.CheckpointWriter(root, service=service.socket) as writer:
         writer.save(1, _state()).result(30)
-        shown = subprocess.run(
-            [sys.executable, "-m", "checkpointd", "status", "--socket", service.socket, "--json"],
-            env=child_env(),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
+        shown = run_python(
+            "-m", "checkpointd", "status", "--socket", service.socket, "--json", check=True
         )
         status = json.loads(shown.stdout)
     assert status["clients"] == 1
@@ -92,15 +83,7 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
     assert status["committed"] == 1
     (kept,) = status["kept"].values()
     assert kept == [1]
-    text = subprocess.run(
-        [sys.executable, "-m", "checkpointd", "status", "--socket", service.socket],
-        env=child_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    text = run_python("-m", "checkpointd", "status", "--socket", service.socket, check=True).stdout
     assert "saves in flight: 0" in text
     assert "steps 1" in text
 
@@ -130,15 +113,7 @@ def test_status_does_not_import_torch(service: Service) -> None:
         "loaded = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
         "assert not loaded, loaded[:5]\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, service.socket],
-        env=child_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_python("-c", code, service.socket, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["saves_in_flight"] == 0
 
@@ -146,15 +121,7 @@ def test_status_does_not_import_torch(service: Service) -> None:
 def test_status_without_a_service_is_one_clear_line() -> None:
     folder = socket_folder()
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "checkpointd", "status", "--socket", f"{folder}/sock"],
-            env=child_env(),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = run_python("-m", "checkpointd", "status", "--socket", f"{folder}/sock", check=False)
     finally:
         os.rmdir(folder)
     assert done.returncode == 1

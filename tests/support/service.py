@@ -28,6 +28,20 @@ def child_env(**extra: str) -> dict[str, str]:
     }
 
 
+def run_python(*args: str, check: bool) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in this checkout (a CLI command, a ``-c`` snippet), output captured
+    as text, at most 60 s."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=check,
+    )
+
+
 def wait_answers(
     socket: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None
 ) -> None:
@@ -155,19 +169,6 @@ def reap(proc: subprocess.Popen[str]) -> str:
         if pipe is not None:
             pipe.close()
     return err
-
-
-def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c code *args`` with this checkout's code; its output as text."""
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=child_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def files_by_component(root: Path, step: int) -> dict[str, bytes]:
