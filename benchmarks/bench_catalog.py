@@ -5,7 +5,7 @@ state, then its folder copied with the manifest re-stamped for each step), on lo
 disk and on S3 (moto in server mode on loopback), then prints manifest reads and
 wall time for ``load`` and ``restore`` of the newest step and for ``list_checkpoints``
 (which reads every manifest by design). Uses only the public API plus a count of
-``checkpointd.catalog.read_manifest`` calls, so the same script measures an older
+``checkpointd.read.catalog.read_manifest`` calls, so the same script measures an older
 checkout (``PYTHONPATH=<old>/src``) for a before/after comparison.
 
     PYTHONPATH=src python -m benchmarks.bench_catalog --count 1000 [--no-s3]
@@ -26,8 +26,8 @@ import msgspec
 import torch
 
 import checkpointd
-from checkpointd import catalog
-from checkpointd.manifest import MANIFEST_NAME, decode_manifest, encode_manifest
+from checkpointd.format.manifest import MANIFEST_NAME, decode_manifest, encode_manifest
+from checkpointd.read import catalog
 from checkpointd.storage import open_store
 
 STATE_STEP = 1

@@ -48,7 +48,7 @@ def _plugin(io: str) -> Any:
         return TorchCheckpointIO()
     if io == "async":
         return AsyncCheckpointIO(TorchCheckpointIO())
-    from checkpointd.lightning import CheckpointdIO
+    from checkpointd.integrations.lightning import CheckpointdIO
 
     return CheckpointdIO()
 

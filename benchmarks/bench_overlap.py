@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import checkpointd
-from checkpointd.staging import STAGING_MODES, StagingMode
+from checkpointd.write.staging import STAGING_MODES, StagingMode
 
 MB = 10**6
 

@@ -89,7 +89,7 @@ def report(results: dict[str, Any]) -> list[str]:
             shown = f"{durable:9.3f}" if durable is not None else f"{'-':>9}"
             lines.append(f"  {name:<12} {s[f'{name}.blocked']:9.3f} {shown}")
         lines.append(
-            f"  restore: checkpointd {s['checkpointd.restore']:.3f}, dcp.load {s['dcp.restore']:.3f}"
+            f"  restore: checkpointd {s['checkpointd.read.restore']:.3f}, dcp.load {s['dcp.restore']:.3f}"
         )
         lines.append(
             f"  bytes stored per checkpoint: checkpointd {s['checkpointd.bytes']:,}, "
@@ -100,14 +100,14 @@ def report(results: dict[str, Any]) -> list[str]:
             f"{s['checkpointd.blocked'] / s['memcpy.blocked']:.2f} (goal <= 1.5); "
             f"durable/dcp_thread {s['checkpointd.durable'] / s['dcp_thread.durable']:.2f} "
             f"(goal <= 1); restore/dcp.load "
-            f"{s['checkpointd.restore'] / s['dcp.restore']:.2f} (goal <= 1)"
+            f"{s['checkpointd.read.restore'] / s['dcp.restore']:.2f} (goal <= 1)"
         )
     if "reshard_2_to_3" in results:
         r = results["reshard_2_to_3"]
         lines.append(
-            f"\nresharding 2 -> 3 ranks: checkpointd.restore {r['checkpointd.restore']:.3f} s, "
+            f"\nresharding 2 -> 3 ranks: checkpointd.restore {r['checkpointd.read.restore']:.3f} s, "
             f"dcp.load {r['dcp.restore']:.3f} s, ratio "
-            f"{r['checkpointd.restore'] / r['dcp.restore']:.2f}"
+            f"{r['checkpointd.read.restore'] / r['dcp.restore']:.2f}"
         )
     return lines
 
@@ -126,7 +126,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         x = range(len(names))
         ax.bar([i - 0.27 for i in x], [s[f"{n}.blocked"] for n in names], 0.27, label="blocked")
         ax.bar(list(x), [s[f"{n}.durable"] for n in names], 0.27, label="durable")
-        restores = [s["checkpointd.restore"], s["dcp.restore"], s["dcp.restore"]]
+        restores = [s["checkpointd.read.restore"], s["dcp.restore"], s["dcp.restore"]]
         ax.bar([i + 0.27 for i in x], restores, 0.27, label="restore (dcp.load for DCP)")
         ax.axhline(s["memcpy.blocked"], color="gray", linestyle=":", label="memcpy of own shards")
         ax.set_xticks(list(x), names)

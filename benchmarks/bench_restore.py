@@ -174,7 +174,7 @@ def _in_one_process(
         table.add("torch.restore", _timed(lambda: _torch_restore(live, path)))
 
     def restore_ours() -> None:
-        table.add("checkpointd.restore", _timed(lambda: _checkpointd_restore(live, root)))
+        table.add("checkpointd.read.restore", _timed(lambda: _checkpointd_restore(live, root)))
 
     def memcpy() -> None:
         table.add("memcpy", memcpy_floor(sources, targets))
@@ -199,7 +199,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 ROWS = (
     ("load", "checkpointd.load", "torch.load", 0.7),
-    ("restore, warm", "checkpointd.restore", "torch.restore", 0.8),
+    ("restore, warm", "checkpointd.read.restore", "torch.restore", 0.8),
     ("restore, fresh process", "checkpointd.fresh", "torch.fresh", 0.6),
 )
 
@@ -212,7 +212,7 @@ def report(table: Table, nbytes: int) -> list[str]:
         "torch.load": "torch.load",
         "checkpointd.load": "checkpointd.load",
         "torch.restore": "load_state_dict(torch.load) warm",
-        "checkpointd.restore": "checkpointd.restore warm",
+        "checkpointd.read.restore": "checkpointd.restore warm",
         "torch.fresh": "load_state_dict(torch.load) fresh",
         "checkpointd.fresh": "checkpointd.restore fresh",
     }
@@ -233,7 +233,7 @@ def report(table: Table, nbytes: int) -> list[str]:
             lines.append(f"  {label + ': checkpointd / torch':<45} {value:6.2f}x  {mark}")
     lines.append(
         f"  {'restore warm / memcpy floor':<45} "
-        f"{table.ratio('checkpointd.restore', 'memcpy'):6.2f}x"
+        f"{table.ratio('checkpointd.read.restore', 'memcpy'):6.2f}x"
     )
     return lines
 
@@ -251,10 +251,10 @@ def _ranks_report(results: dict[str, Any]) -> list[str]:
     two, three = results["worlds"]["2"], results["reshard_2_to_3"]
     lines = [f"many ranks: FSDP2 + AdamW, {results['mb']:g} MB of parameters (slowest rank)"]
     for label, s in (("2 ranks", two), ("2 -> 3 ranks", three)):
-        ratio = s["checkpointd.restore"] / s["dcp.restore"]
+        ratio = s["checkpointd.read.restore"] / s["dcp.restore"]
         mark = "ok" if ratio <= 0.8 else "MISSED (goal <= 0.8)"
         lines.append(
-            f"  {label}: checkpointd.restore {s['checkpointd.restore']:.3f} s, "
+            f"  {label}: checkpointd.restore {s['checkpointd.read.restore']:.3f} s, "
             f"dcp.load + set_state_dict {s['dcp.restore']:.3f} s: {ratio:.2f}x  {mark}"
         )
     return lines

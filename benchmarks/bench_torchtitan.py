@@ -34,7 +34,7 @@ def _rank(manager_kind: str, root: str, out: str, numbers: list[int]) -> None:
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
-    from checkpointd.torchtitan import CheckpointdManager
+    from checkpointd.integrations.torchtitan import CheckpointdManager
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -48,7 +48,7 @@ def train_once(
     """One run; returns its total seconds, the seconds each save held the loop, bytes/save."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from checkpointd.transformers import CheckpointdTrainer
+    from checkpointd.integrations.transformers import CheckpointdTrainer
 
     torch.manual_seed(0)
     config = GPT2Config(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from checkpointd.tree import flatten, walk
+from checkpointd.state.tree import flatten, walk
 
 MiB = 2**20
 GB = 10**9

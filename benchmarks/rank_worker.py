@@ -110,7 +110,7 @@ def restore_all(world: int, mb: float, reps: int, folder: str, record: Record) -
         checkpointd.restore(
             os.path.join(folder, "checkpointd"), {"model": model, "optimizer": optimizer}
         )
-        record("checkpointd.restore", time.perf_counter() - started)
+        record("checkpointd.read.restore", time.perf_counter() - started)
         dist.barrier()
         model, optimizer = build(world, mb)
         dist.barrier()

@@ -12,16 +12,11 @@ stays cheap (no torch) for tools that only list or check checkpoints; submodules
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from checkpointd._version import __version__
 
 if TYPE_CHECKING:
-    from checkpointd.allowlist import BUILTIN_ALLOW
-    from checkpointd.build import build
-    from checkpointd.distributed import LOCAL, PerRank
     from checkpointd.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -51,10 +46,11 @@ if TYPE_CHECKING:
         WriterClosedError,
         WrongThreadError,
     )
-    from checkpointd.foreign import import_checkpoint
-    from checkpointd.manifest import CheckpointInfo
-    from checkpointd.progress import TrainingProgress
-    from checkpointd.restore import (
+    from checkpointd.format.manifest import CheckpointInfo
+    from checkpointd.interop.foreign import import_checkpoint
+    from checkpointd.maintain.retention import RetentionPolicy
+    from checkpointd.ranks.group import LOCAL, PerRank
+    from checkpointd.read.restore import (
         Checkpoint,
         RestoreInfo,
         SkippedStep,
@@ -62,10 +58,12 @@ if TYPE_CHECKING:
         load,
         restore,
     )
-    from checkpointd.retention import RetentionPolicy
-    from checkpointd.rng import RNGState
-    from checkpointd.spec import spec
-    from checkpointd.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
+    from checkpointd.rebuild.allowlist import BUILTIN_ALLOW
+    from checkpointd.rebuild.build import build
+    from checkpointd.rebuild.spec import spec
+    from checkpointd.state.progress import TrainingProgress
+    from checkpointd.state.rng import RNGState
+    from checkpointd.write.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "checkpointd.errors": (
@@ -97,13 +95,13 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "WriterClosedError",
         "WrongThreadError",
     ),
-    "checkpointd.allowlist": ("BUILTIN_ALLOW",),
-    "checkpointd.build": ("build",),
-    "checkpointd.foreign": ("import_checkpoint",),
-    "checkpointd.distributed": ("LOCAL", "PerRank"),
-    "checkpointd.manifest": ("CheckpointInfo",),
-    "checkpointd.progress": ("TrainingProgress",),
-    "checkpointd.restore": (
+    "checkpointd.rebuild.allowlist": ("BUILTIN_ALLOW",),
+    "checkpointd.rebuild.build": ("build",),
+    "checkpointd.interop.foreign": ("import_checkpoint",),
+    "checkpointd.ranks.group": ("LOCAL", "PerRank"),
+    "checkpointd.format.manifest": ("CheckpointInfo",),
+    "checkpointd.state.progress": ("TrainingProgress",),
+    "checkpointd.read.restore": (
         "Checkpoint",
         "RestoreInfo",
         "SkippedStep",
@@ -111,10 +109,10 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "load",
         "restore",
     ),
-    "checkpointd.retention": ("RetentionPolicy",),
-    "checkpointd.rng": ("RNGState",),
-    "checkpointd.spec": ("spec",),
-    "checkpointd.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
+    "checkpointd.maintain.retention": ("RetentionPolicy",),
+    "checkpointd.state.rng": ("RNGState",),
+    "checkpointd.rebuild.spec": ("spec",),
+    "checkpointd.write.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -187,21 +185,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """The package module: a public name wins over a submodule of the same name.
-
-    Importing a submodule sets it as an attribute of the package; for
-    ``checkpointd.restore`` (the function, whose home is the submodule
-    ``checkpointd.restore``) that would hide the function, as it never did
-    when this module imported everything eagerly.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _HOME_OF and isinstance(value, types.ModuleType):
-            return  # the submodule stays reachable through sys.modules and imports
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

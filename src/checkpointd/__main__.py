@@ -2,6 +2,6 @@
 
 import sys
 
-from checkpointd.cli import main
+from checkpointd.cli.main import main
 
 sys.exit(main())

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import cli
-from checkpointd.cleanup import find_leftovers, remove_leftovers, scan_leftovers
+from checkpointd.cli import main as cli
 from checkpointd.errors import StorageError
-from checkpointd.manifest import MANIFEST_NAME
+from checkpointd.format.manifest import MANIFEST_NAME
+from checkpointd.maintain.cleanup import find_leftovers, remove_leftovers, scan_leftovers
 from checkpointd.storage import FsspecStore, LocalStore, PendingUpload, open_store
 from tests.conftest import Root
 from tests.support.s3 import MotoS3

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import checkpointd
-import checkpointd.retention
+import checkpointd.maintain.retention
 from checkpointd import tunables
 from tests.faults.helpers import check_intact, make_state
 from tests.support.faults import FaultyOS, SimulatedCrash

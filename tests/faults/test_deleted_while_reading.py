@@ -16,7 +16,7 @@ import torch
 
 import checkpointd
 from checkpointd.errors import CheckpointNotFoundError, CorruptCheckpointError
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import MANIFEST_NAME, step_dirname
 from checkpointd.storage import FsspecStore, LocalStore, Store
 from tests.conftest import Root
 

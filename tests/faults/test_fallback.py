@@ -18,7 +18,7 @@ import torch
 
 import checkpointd
 from checkpointd.errors import CheckpointWarning, CorruptCheckpointError
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import MANIFEST_NAME, step_dirname
 from tests.faults.helpers import make_state, same
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import checkpointd
-from checkpointd.catalog import read_manifest
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import open_store
 from tests.support.gates import hold_local_writes
 

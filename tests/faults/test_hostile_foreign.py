@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 import checkpointd
-from checkpointd.cli import main
-from checkpointd.foreign import import_checkpoint
+from checkpointd.cli.main import main
+from checkpointd.interop.foreign import import_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -21,15 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkpointd
-from checkpointd.checksum import crc32c
 from checkpointd.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     StorageError,
 )
-from checkpointd.header import header_length, parse_safetensors_header
-from checkpointd.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.header import header_length, parse_safetensors_header
+from checkpointd.format.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
 from tests.support.files import component_file
 
 FOLDER = "000000000001"
@@ -196,7 +196,7 @@ def _valid_manifest() -> bytes:
         step=7,
         created_at=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC),
         library_version="0.1.0",
-        components={"m": checkpointd.manifest.ComponentEntry(tree="m.tree.msgpack")},
+        components={"m": checkpointd.format.manifest.ComponentEntry(tree="m.tree.msgpack")},
         files=[FileEntry("m.tree.msgpack", 10, 123)],
     )
     return encode_manifest(manifest)

@@ -18,15 +18,15 @@ import torch
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.catalog import CheckpointWarning
-from checkpointd.checksum import crc32c
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
-from checkpointd.manifest import (
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.manifest import (
     Manifest,
     decode_manifest,
     encode_manifest,
     step_dirname,
 )
+from checkpointd.read.catalog import CheckpointWarning
 
 HOSTILE = 3
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.build import BUILTIN_ALLOW
-from checkpointd.manifest import decode_manifest, encode_manifest, step_dirname
+from checkpointd.format.manifest import decode_manifest, encode_manifest, step_dirname
+from checkpointd.rebuild.build import BUILTIN_ALLOW
 from tests.support.specmodels import Net
 
 ALLOW = ("tests.support.specmodels", *BUILTIN_ALLOW)
@@ -43,7 +43,7 @@ def _rewrite(path: Path, name: str, **changes: Any) -> None:
 
 def _raw_rewrite(path: Path, name: str, raw: dict[str, Any]) -> None:
     """Put any JSON in place of a spec (bypasses the typed encoder; digest still valid)."""
-    from checkpointd.checksum import crc32c
+    from checkpointd.format.checksum import crc32c
 
     data = msgspec.json.decode(path.read_bytes())
     del data["manifest_crc32c"]

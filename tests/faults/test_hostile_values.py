@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import checkpointd
 from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format import decode_tree
-from checkpointd.header import parse_safetensors_header
+from checkpointd.format.codec import decode_tree
+from checkpointd.format.header import parse_safetensors_header
 from tests.faults.test_hostile_input import _replace_file, _save
 from tests.support.files import component_file
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import checkpointd
-from checkpointd.cleanup import find_leftovers, remove_leftovers
+from checkpointd.maintain.cleanup import find_leftovers, remove_leftovers
 from checkpointd.storage import LocalStore
 from tests.faults.helpers import check_intact, make_state
 from tests.support.faults import temp_files

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import staging as staging_module
-from checkpointd.tree import walk
+from checkpointd.state.tree import walk
+from checkpointd.write import staging as staging_module
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX fork and signals")
 
@@ -115,7 +115,7 @@ _SCRIPT_HEAD = """
 import json, os, select, signal, sys, threading, time
 import torch
 import checkpointd
-from checkpointd import staging
+from checkpointd.write import staging
 
 root = sys.argv[1]
 model = torch.nn.Linear(64, 64)

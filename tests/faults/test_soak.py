@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.cleanup import find_leftovers
+from checkpointd.maintain.cleanup import find_leftovers
 from checkpointd.storage import open_store
 from tests.conftest import Root
 from tests.support.faults import temp_files

@@ -19,7 +19,7 @@ import pytest
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.manifest import MANIFEST_NAME
+from checkpointd.format.manifest import MANIFEST_NAME
 from tests.faults.helpers import check_intact, make_state
 
 STEP2 = f"{2:012d}"

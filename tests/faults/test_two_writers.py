@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.catalog import read_manifest
 from checkpointd.errors import CheckpointExistsError
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import open_store
 from tests.conftest import Root
 from tests.faults.helpers import same

@@ -1,4 +1,4 @@
-"""checkpointd.accelerate with the real ``accelerate`` package on CPU."""
+"""checkpointd.integrations.accelerate with the real ``accelerate`` package on CPU."""
 
 from __future__ import annotations
 

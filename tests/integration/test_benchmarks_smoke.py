@@ -93,7 +93,7 @@ def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "torch.load",
         "checkpointd.load",
         "torch.restore",
-        "checkpointd.restore",
+        "checkpointd.read.restore",
         "torch.fresh",
         "checkpointd.fresh",
     ):

@@ -3,7 +3,7 @@
 Checkpoints are written in-process (fast); every command then runs through
 ``python -m checkpointd`` (and once through the ``checkpointd`` script). A few
 checks of pieces that need no subprocess (error lines, header-only inspect,
-the progress line) call ``checkpointd.cli`` directly.
+the progress line) call ``checkpointd.cli.main`` directly.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import cli
-from checkpointd.describe import describe
+from checkpointd.cli import main as cli
+from checkpointd.read.describe import describe
 from checkpointd.storage import LocalStore, open_store
 from tests.conftest import Root
 from tests.support.files import component_file

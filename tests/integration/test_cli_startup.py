@@ -16,7 +16,7 @@ SRC = Path(checkpointd.__file__).parent
 
 RUN_TOOLS = """
 import sys
-from checkpointd import cli
+from checkpointd.cli import main as cli
 root = sys.argv[1]
 assert cli.main(["ls", root]) == 0
 assert cli.main(["ls", root, "--json"]) == 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.cli import main
+from checkpointd.cli.main import main
 from checkpointd.errors import (
     CheckpointExistsError,
     StorageCapabilityWarning,

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 import checkpointd
-from checkpointd import cli
+from checkpointd.cli import main as cli
 from tests.conftest import Root
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.demo import DemoConfig, run_demo
+from checkpointd.cli.demo import DemoConfig, run_demo
 from tests.support.resume_job import KILL_EXIT_CODE, TiedNet
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import checkpointd
-from checkpointd.export import export_dcp, export_hf
-from checkpointd.foreign import import_checkpoint
+from checkpointd.interop.export import export_dcp, export_hf
+from checkpointd.interop.foreign import import_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

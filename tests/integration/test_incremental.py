@@ -16,14 +16,15 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import catalog, tunables
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
-from checkpointd.housekeeping import apply_gc, plan_gc
-from checkpointd.layout import BLOBS_DIR, PINS_DIR, blob_path, is_blob_name
-from checkpointd.retention import RetentionPolicy, delete_checkpoints
-from checkpointd.shared import write_pin
+from checkpointd.format.layout import BLOBS_DIR, PINS_DIR, blob_path, is_blob_name
+from checkpointd.maintain.blobs import write_pin
+from checkpointd.maintain.gc import apply_gc, plan_gc
+from checkpointd.maintain.retention import RetentionPolicy, delete_checkpoints
+from checkpointd.read import catalog
+from checkpointd.read.verify import verify_step
 from checkpointd.storage import Store, open_store
-from checkpointd.verify import verify_step
 from tests.conftest import Root
 from tests.faults.helpers import same
 from tests.support.gates import hold_local_writes
@@ -255,7 +256,7 @@ def test_async_writer_saves_incrementally(local_root: Root) -> None:
 def test_incremental_with_many_ranks_is_refused(
     local_root: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import checkpointd.writer_base
+    import checkpointd.write.writer_base
 
     closed: list[bool] = []
 
@@ -265,7 +266,7 @@ def test_incremental_with_many_ranks_is_refused(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr(checkpointd.writer_base, "_group", lambda _: TwoRanks())
+    monkeypatch.setattr(checkpointd.write.writer_base, "_group", lambda _: TwoRanks())
     with pytest.raises(InvalidArgumentError, match="2 ranks"):
         checkpointd.CheckpointWriter(local_root.url, incremental=True)
     assert closed == [True]

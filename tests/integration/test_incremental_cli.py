@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 import checkpointd
-from checkpointd import catalog
-from checkpointd.cli_format import size_text
-from checkpointd.layout import BLOBS_DIR, blob_path
+from checkpointd.cli.output import size_text
+from checkpointd.format.layout import BLOBS_DIR, blob_path
+from checkpointd.read import catalog
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 from tests.faults.helpers import same

@@ -1,4 +1,4 @@
-"""checkpointd.lightning.CheckpointdIO inside a real ``Trainer.fit`` on CPU."""
+"""checkpointd.integrations.lightning.CheckpointdIO inside a real ``Trainer.fit`` on CPU."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytest.importorskip("pytorch_lightning")
 
 import checkpointd
 from checkpointd.errors import CheckpointNotFoundError, InvalidArgumentError
-from checkpointd.lightning import CheckpointdIO, last_checkpoint
+from checkpointd.integrations.lightning import CheckpointdIO, last_checkpoint
 from checkpointd.storage.local import LocalStore
 from tests.conftest import Root
 from tests.support import lightning_job
@@ -80,7 +80,7 @@ def test_lightning_dict_round_trips_without_pickle(
 ) -> None:
     import pytorch_lightning as pl
 
-    monkeypatch.setattr("checkpointd.lightning.CheckpointdIO", _Spy)
+    monkeypatch.setattr("checkpointd.integrations.lightning.CheckpointdIO", _Spy)
     lightning_job.fit(str(tmp_path), max_epochs=1)
     assert _Spy.last is not None
     loaded = CheckpointdIO(restore_rng=False).load_checkpoint(tmp_path / "last.ckpt")
@@ -192,7 +192,7 @@ def test_top_k_rotation_reuses_one_staging_buffer_and_deletes_in_background(
     # Lightning's top-k saves go to a new path (a new root, a new writer) every time:
     # a fresh staging buffer each time costs a first touch of every page on the training
     # thread, and so would deleting the replaced checkpoint there.
-    from checkpointd.capture import StagingBuffer
+    from checkpointd.write.capture import StagingBuffer
 
     made: list[StagingBuffer] = []
     real_init = StagingBuffer.__init__

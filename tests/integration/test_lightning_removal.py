@@ -19,10 +19,10 @@ import torch
 pytest.importorskip("pytorch_lightning")
 
 import checkpointd
-from checkpointd import catalog
-from checkpointd.layout import MANIFEST_NAME, step_dirname
-from checkpointd.lightning import CheckpointdIO
-from checkpointd.removal import MARKER_NAME, Awaited, due, mark_root, read_removal
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.integrations.lightning import CheckpointdIO
+from checkpointd.maintain.removal import MARKER_NAME, Awaited, due, mark_root, read_removal
+from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.conftest import Root
 from tests.integration.test_cli import run

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import checkpointd
-from checkpointd.catalog import read_manifest
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import open_store
 from tests.conftest import Root
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import catalog
-from checkpointd.manifest import SCHEMA_VERSION, Manifest, decode_manifest, encode_manifest
+from checkpointd.format.manifest import SCHEMA_VERSION, Manifest, decode_manifest, encode_manifest
+from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.faults.helpers import same
 from tests.support.launch import run_ranks

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.cleanup import find_leftovers, remove_leftovers
 from checkpointd.errors import CheckpointNotFoundError
-from checkpointd.manifest import MANIFEST_NAME
-from checkpointd.retention import RetentionPolicy, RetentionWarning, apply_retention
+from checkpointd.format.manifest import MANIFEST_NAME
+from checkpointd.maintain.cleanup import find_leftovers, remove_leftovers
+from checkpointd.maintain.retention import RetentionPolicy, RetentionWarning, apply_retention
 from checkpointd.storage import Capabilities, FileSink, PendingUpload, Store, open_store
 from tests.conftest import Root
 

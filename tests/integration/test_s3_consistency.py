@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointd.cleanup import find_leftovers, remove_leftovers
 from checkpointd.errors import StorageNotFoundError
-from checkpointd.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import MANIFEST_NAME, step_dirname
+from checkpointd.maintain.cleanup import find_leftovers, remove_leftovers
 from checkpointd.storage import Store, open_store
 from tests.conftest import Root
 from tests.integration.test_cli import run

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import catalog
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.read import catalog
+from checkpointd.read.verify import verify_step
 from checkpointd.storage import open_store
-from checkpointd.verify import verify_step
 from tests.support.launch import REPO, run_ranks
 from tests.support.s3 import MotoS3
 

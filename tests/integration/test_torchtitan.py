@@ -1,4 +1,4 @@
-"""checkpointd.torchtitan.CheckpointdManager driven as torchtitan's Trainer drives its
+"""checkpointd.integrations.torchtitan.CheckpointdManager driven as torchtitan's Trainer drives its
 checkpointer, over real FSDP2 models on 2 gloo ranks (CPU).
 
 Not run here: torchtitan's own ``Trainer`` (it needs its datasets, tokenizer assets,

@@ -1,4 +1,4 @@
-"""checkpointd.transformers.CheckpointdTrainer inside real ``Trainer.train`` runs on CPU."""
+"""checkpointd.integrations.transformers.CheckpointdTrainer inside real ``Trainer.train`` runs on CPU."""
 
 from __future__ import annotations
 

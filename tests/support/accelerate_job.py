@@ -1,4 +1,4 @@
-"""A tiny accelerate job for checkpointd.accelerate's tests: ``python -m tests.support.accelerate_job``.
+"""A tiny accelerate job for checkpointd.integrations.accelerate's tests: ``python -m tests.support.accelerate_job``.
 
 ``run`` trains 2 epochs of 8 batches (8 per process, split over the processes); it can
 stop after ``save_at`` batches (saving there) or resume from a root first. It returns
@@ -47,7 +47,7 @@ def run(
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     from checkpointd import CheckpointWriter
-    from checkpointd.accelerate import load_state, rest_of_epoch, save_state
+    from checkpointd.integrations.accelerate import load_state, rest_of_epoch, save_state
 
     # One shuffle order for every process (each takes its shard of it): data_seed.
     config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed)

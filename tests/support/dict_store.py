@@ -13,8 +13,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from checkpointd.checksum import BytesLike
 from checkpointd.errors import CheckpointExistsError, StorageError, StorageNotFoundError
+from checkpointd.format.checksum import BytesLike
 from checkpointd.storage import Capabilities, FileSink, Store, check_relpath, register_store
 
 _FILES: dict[str, bytes] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from checkpointd.catalog import read_manifest
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import open_store
 
 

@@ -68,7 +68,7 @@ def fit(
     module = make_module(pl)
     plugins = []
     if io == "checkpointd":
-        from checkpointd.lightning import CheckpointdIO
+        from checkpointd.integrations.lightning import CheckpointdIO
 
         plugins.append(CheckpointdIO(**(io_options or {})))
     callback = pl.callbacks.ModelCheckpoint(dirpath=dirpath, **(checkpoint or {"save_last": True}))

@@ -59,7 +59,7 @@ def _watch_unlinks(signal_path: str) -> None:
 
 
 def _watch_deletions(signal_path: str) -> None:
-    from checkpointd.lightning import CheckpointdIO
+    from checkpointd.integrations.lightning import CheckpointdIO
 
     def delete(self: CheckpointdIO, root: str) -> None:
         _stop(signal_path, root=root, torn=False)

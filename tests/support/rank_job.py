@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
-from checkpointd import commit, rankcommit, tunables
+from checkpointd import tunables
+from checkpointd.ranks import commit as rankcommit
+from checkpointd.write import commit
 
 SCENARIOS = (
     "replicated",

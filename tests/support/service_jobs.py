@@ -55,7 +55,7 @@ def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
 
 
 def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
-    from checkpointd.cli import main
+    from checkpointd.cli.main import main
     from checkpointd.storage import LocalStore
 
     real = getattr(LocalStore, method)

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
-from checkpointd import rankcommit, tunables
+from checkpointd import tunables
+from checkpointd.ranks import commit as rankcommit
 
 SCENARIOS = (
     "publisher_stalled_before_deciding",

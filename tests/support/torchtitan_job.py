@@ -1,4 +1,4 @@
-"""One rank of a small FSDP2 job that checkpoints through checkpointd.torchtitan.
+"""One rank of a small FSDP2 job that checkpoints through checkpointd.integrations.torchtitan.
 
     python -m tests.support.torchtitan_job ACTION ROOT OUT STEPS RANK WORLD PORT
 
@@ -78,7 +78,7 @@ def main() -> None:
         from torchtitan.components.optimizer import LRSchedulersContainer
         from torchtitan.components.optimizer.optimizer import default_adamw
 
-        from checkpointd.torchtitan import CheckpointdManager
+        from checkpointd.integrations.torchtitan import CheckpointdManager
 
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)

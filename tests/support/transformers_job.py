@@ -1,4 +1,4 @@
-"""A tiny 🤗 Trainer job for checkpointd.transformers: ``python -m tests.support.transformers_job``.
+"""A tiny 🤗 Trainer job for checkpointd.integrations.transformers: ``python -m tests.support.transformers_job``.
 
 A 2-layer GPT-2 built from a config (no download), with dropout so the RNG
 matters, on a small synthetic dataset. Importable (``fit``) for in-process runs
@@ -97,7 +97,7 @@ def trainer(
     (plain Trainer, its own checkpoints)."""
     from transformers import Trainer
 
-    from checkpointd.transformers import CheckpointdTrainer
+    from checkpointd.integrations.transformers import CheckpointdTrainer
 
     kwargs: dict[str, Any] = {
         "model": model(width, layers),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.build import BUILTIN_ALLOW
+from checkpointd.rebuild.build import BUILTIN_ALLOW
 from tests.conftest import Root
 from tests.support.specmodels import Counter, Net, train
 

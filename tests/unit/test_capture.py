@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd.capture import StagingBuffer, capture
 from checkpointd.errors import UnsupportedValueError
-from checkpointd.format import TensorRef
+from checkpointd.format.codec import TensorRef
+from checkpointd.write.capture import StagingBuffer, capture
 
 
 def _staged(buffer: StagingBuffer, component: Any, name: str) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import catalog
-from checkpointd.catalog import CheckpointWarning
+from checkpointd.read import catalog
+from checkpointd.read.catalog import CheckpointWarning
 from checkpointd.storage import LocalStore, open_store
 
 STEPS = range(1, 31)

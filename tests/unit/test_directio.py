@@ -12,9 +12,9 @@ import torch
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.capture import StagingBuffer
 from checkpointd.storage import LocalStore
 from checkpointd.storage.directio import DIRECT_ALIGN, address, write_direct
+from checkpointd.write.capture import StagingBuffer
 from tests.support.files import component_file
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format import (
+from checkpointd.format.codec import (
     BigInt,
     DTypeNode,
     NumpyScalarNode,
@@ -21,7 +21,7 @@ from checkpointd.format import (
     encode_tree,
     numpy_scalar_node,
 )
-from checkpointd.header import (
+from checkpointd.format.header import (
     DTYPE_CODES,
     TensorEntry,
     encode_safetensors_header,

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import layout, tunables
-from checkpointd.catalog import step_folders
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
-from checkpointd.manifest import (
+from checkpointd.format import layout
+from checkpointd.format.manifest import (
     ComponentEntry,
     FileEntry,
     Manifest,
     decode_manifest,
     encode_manifest,
 )
+from checkpointd.read.catalog import step_folders
 from checkpointd.storage import LocalStore, directio
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.catalog import read_manifest
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.reader import StepReader
+from checkpointd.read.catalog import read_manifest
+from checkpointd.read.reader import StepReader
 from checkpointd.storage import open_store
 from tests.support.files import component_file
 

@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
-from checkpointd.checksum import crc32c
 from checkpointd.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from checkpointd.manifest import (
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.manifest import (
     SCHEMA_VERSION,
     ComponentEntry,
     FileEntry,

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import checkpointd
-import checkpointd.catalog
-import checkpointd.retention
+import checkpointd.maintain.retention
+import checkpointd.read.catalog
 from checkpointd import errors
 
 SRC = pathlib.Path(checkpointd.__file__).parent
@@ -46,9 +46,9 @@ def test_every_public_name_resolves_in_a_fresh_interpreter() -> None:
 def test_public_names_win_over_submodules_of_the_same_name() -> None:
     # checkpointd.restore is the function, also once the submodule restore is imported.
     _run(
-        "import checkpointd.restore, checkpointd.writer, checkpointd\n"
+        "import checkpointd.read.restore, checkpointd.write.writer, checkpointd\n"
         "assert callable(checkpointd.restore) and checkpointd.restore.__name__ == 'restore'\n"
-        "from checkpointd.restore import RestoreInfo\n"
+        "from checkpointd.read.restore import RestoreInfo\n"
         "assert checkpointd.RestoreInfo is RestoreInfo"
     )
 
@@ -65,8 +65,8 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
 
 def test_warnings_are_exported_and_are_the_ones_emitted() -> None:
-    assert checkpointd.RetentionWarning is checkpointd.retention.RetentionWarning
-    assert checkpointd.CheckpointWarning is checkpointd.catalog.CheckpointWarning
+    assert checkpointd.RetentionWarning is checkpointd.maintain.retention.RetentionWarning
+    assert checkpointd.CheckpointWarning is checkpointd.read.catalog.CheckpointWarning
 
 
 def test_no_module_imports_a_name_from_the_package_root() -> None:

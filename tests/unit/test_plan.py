@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointd import layout, tunables
-from checkpointd.capture import StagingBuffer, capture
-from checkpointd.catalog import read_manifest
-from checkpointd.commit import commit_plan
+from checkpointd import tunables
 from checkpointd.errors import CheckpointExistsError
-from checkpointd.header import header_length
-from checkpointd.manifest import CheckpointInfo
-from checkpointd.plan import SavePlan, Snapshot, WriteFile, plan_snapshot
-from checkpointd.restore import load
-from checkpointd.retention import WriterIdentity
+from checkpointd.format import layout
+from checkpointd.format.header import header_length
+from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.maintain.retention import WriterIdentity
+from checkpointd.read.catalog import read_manifest
+from checkpointd.read.restore import load
 from checkpointd.storage import LocalStore
+from checkpointd.write.capture import StagingBuffer, capture
+from checkpointd.write.commit import commit_plan
+from checkpointd.write.plan import SavePlan, Snapshot, WriteFile, plan_snapshot
 
 
 def _snapshot(step: int = 1) -> Snapshot:

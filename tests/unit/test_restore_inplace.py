@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import checkpointd
-from checkpointd import inplace, tunables
+from checkpointd import tunables
+from checkpointd.read import inplace
 from tests.conftest import Root
 
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpointd import tunables
-from checkpointd.manifest import CheckpointInfo
-from checkpointd.retention import (
+from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.maintain.retention import (
     RetentionPolicy,
     WriterIdentity,
     plan_retention,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import retention
 from checkpointd.errors import StorageError
+from checkpointd.maintain import retention
 from checkpointd.storage import LocalStore
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 import checkpointd
-from checkpointd import rng as rng_module
+from checkpointd.state import rng as rng_module
 from tests.support.files import component_file
 
 

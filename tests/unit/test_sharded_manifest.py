@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.manifest import (
+from checkpointd.format.manifest import (
     ComponentEntry,
     FileEntry,
     Manifest,
@@ -20,7 +20,7 @@ from checkpointd.manifest import (
     schema_for,
     shard_problem,
 )
-from checkpointd.shards import intersect
+from checkpointd.state.shards import intersect
 
 
 def shard(offsets: list[int], shape: list[int], file: str = "m.t.rank0.safetensors") -> ShardEntry:
@@ -99,7 +99,7 @@ def test_intersect_boxes() -> None:
 
 def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
     from checkpointd.errors import RankFailedError
-    from checkpointd.rankcommit import _merge_shards, _Share
+    from checkpointd.ranks.commit import _merge_shards, _Share
 
     def share(*shards: ShardEntry, dtype: str = "float32") -> _Share:
         return _Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})

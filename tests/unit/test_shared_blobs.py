@@ -14,11 +14,9 @@ import torch
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.catalog import read_manifest
-from checkpointd.cleanup import remove_leftovers, scan_leftovers
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.layout import blob_path, is_blob_name
-from checkpointd.manifest import (
+from checkpointd.format.layout import blob_path, is_blob_name
+from checkpointd.format.manifest import (
     BlobEntry,
     BlobRef,
     ComponentEntry,
@@ -27,7 +25,9 @@ from checkpointd.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from checkpointd.shared import drop_blobs, read_pins, remove_pin, write_pin
+from checkpointd.maintain.blobs import drop_blobs, read_pins, remove_pin, write_pin
+from checkpointd.maintain.cleanup import remove_leftovers, scan_leftovers
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import LocalStore
 
 BLOB = "xxh128-" + "0123456789abcdef" * 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import catalog
+from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.support.specmodels import Counter, Net
 

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd import staging as staging_module
 from checkpointd.errors import (
     CheckpointTimeoutError,
     InvalidArgumentError,
     StagingError,
     UnsupportedValueError,
 )
+from checkpointd.write import staging as staging_module
 
 
 class Gate:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import checkpointd
-from checkpointd.fit import check_state
-from checkpointd.stateful import component_state, unwrap
+from checkpointd.state.fit import check_state
+from checkpointd.state.stateful import component_state, unwrap
 from tests.conftest import Root
 
 

@@ -12,7 +12,7 @@ import torch
 
 import checkpointd
 from checkpointd import CheckpointExistsError, CheckpointWriter, StorageError, tunables
-from checkpointd.retention import WriterIdentity
+from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.storage import LocalStore
 from tests.conftest import Root
 from tests.support.gates import hold_local_writes

@@ -22,7 +22,7 @@ import msgspec
 from anyio.abc import ByteReceiveStream
 
 from checkpointd.errors import ServiceError
-from checkpointd.manifest import CheckpointInfo, SpecEntry
+from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 
 __all__ = [
     "MAX_FRAME",

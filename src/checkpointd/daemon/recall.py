@@ -22,10 +22,10 @@ from checkpointd.errors import (
     ServiceError,
     StorageError,
 )
-from checkpointd.layout import MANIFEST_NAME, step_dirname
-from checkpointd.restore import RestoreInfo, restore_from
-from checkpointd.service import newest_committed
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.read.restore import RestoreInfo, restore_from
 from checkpointd.storage import open_store
+from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
 from .client import connect

@@ -25,11 +25,11 @@ import msgspec
 import torch
 from anyio.abc import TaskStatus
 
-from checkpointd.capture import StagingBuffer
 from checkpointd.errors import InvalidArgumentError, ServiceError
-from checkpointd.handle import Failures, SaveHandle
-from checkpointd.plan import Snapshot
-from checkpointd.retention import RetentionPolicy
+from checkpointd.maintain.retention import RetentionPolicy
+from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.handle import Failures, SaveHandle
+from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
 from .client import Connection, connect, error_from
@@ -37,7 +37,7 @@ from .shm import map_fd
 from .snapshot import describe
 
 if TYPE_CHECKING:
-    from checkpointd.writer_base import WriterBase
+    from checkpointd.write.writer_base import WriterBase
 
 __all__ = ["RemoteService", "open_remote"]
 
@@ -46,7 +46,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
     """The RemoteService of a writer made with ``service=``; InvalidArgumentError for an
     option the service does not support yet, ServiceError if no service answers (or,
     with "auto", none could be started)."""
-    from checkpointd.writer import AsyncCheckpointWriter
+    from checkpointd.write.writer import AsyncCheckpointWriter
 
     unsupported = [
         what

@@ -33,11 +33,11 @@ from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
 from checkpointd import errors
 from checkpointd.errors import CheckpointError, ServiceMemoryError
-from checkpointd.handle import SaveHandle, first_leaf
-from checkpointd.plan import Snapshot
-from checkpointd.retention import RetentionPolicy
-from checkpointd.service import WriteService, newest_committed
+from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.storage import open_store
+from checkpointd.write.handle import SaveHandle, first_leaf
+from checkpointd.write.loop import WriteService, newest_committed
+from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
 from .memtier import MemoryTier, root_key
@@ -47,7 +47,7 @@ from .snapshot import held_checkpoint, rebuild
 
 __all__ = ["Server", "serve"]
 
-_log = logging.getLogger("checkpointd.service")
+_log = logging.getLogger("checkpointd.write.loop")
 
 
 class HostedWriteService(WriteService):

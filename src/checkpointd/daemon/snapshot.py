@@ -15,20 +15,20 @@ import math
 import msgspec
 import torch
 
-from checkpointd.capture import CapturedComponent, StagingBuffer
-from checkpointd.catalog import read_manifest
 from checkpointd.errors import CheckpointError, InvalidArgumentError, UnsupportedValueError
-from checkpointd.format import encode_tree
-from checkpointd.header import DTYPE_CODES, DTYPES_BY_CODE, TensorEntry
-from checkpointd.layout import (
+from checkpointd.format.codec import encode_tree
+from checkpointd.format.header import DTYPE_CODES, DTYPES_BY_CODE, TensorEntry
+from checkpointd.format.layout import (
     MANIFEST_NAME,
     check_component_name,
     step_dirname,
     tensor_file_name,
     tree_file_name,
 )
-from checkpointd.plan import Snapshot, plan_snapshot
-from checkpointd.service import WriteService
+from checkpointd.read.catalog import read_manifest
+from checkpointd.write.capture import CapturedComponent, StagingBuffer
+from checkpointd.write.loop import WriteService
+from checkpointd.write.plan import Snapshot, plan_snapshot
 
 from . import protocol as p
 from .memtier import HeldCheckpoint

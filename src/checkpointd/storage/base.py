@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from checkpointd.checksum import BytesLike
 from checkpointd.errors import (
     CheckpointExistsError,
     StorageCapabilityWarning,
@@ -29,7 +28,8 @@ from checkpointd.errors import (
     StorageNotFoundError,
     StoragePermissionError,
 )
-from checkpointd.layout import TEMP_MARKER
+from checkpointd.format.checksum import BytesLike
+from checkpointd.format.layout import TEMP_MARKER
 
 __all__ = [
     "TEMP_MARKER",

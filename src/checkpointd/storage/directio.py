@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from checkpointd import tunables
-from checkpointd.layout import DIRECT_ALIGN
+from checkpointd.format.layout import DIRECT_ALIGN
 
 __all__ = ["DIRECT_ALIGN", "write_direct"]
 

@@ -22,8 +22,8 @@ from fsspec.exceptions import BlocksizeMismatchError
 from fsspec.spec import AbstractFileSystem
 
 from checkpointd import tunables
-from checkpointd.checksum import BytesLike
 from checkpointd.errors import StorageError, StorageNotFoundError
+from checkpointd.format.checksum import BytesLike
 from checkpointd.storage.base import Capabilities, FileSink, Store, check_relpath
 
 __all__ = ["FsspecStore", "timestamp"]

@@ -17,8 +17,8 @@ import shutil
 import stat
 
 from checkpointd import tunables
-from checkpointd.checksum import BytesLike
 from checkpointd.errors import CheckpointExistsError, StorageError, StorageNotFoundError
+from checkpointd.format.checksum import BytesLike
 from checkpointd.storage.base import (
     TEMP_MARKER,
     Capabilities,

@@ -19,8 +19,8 @@ import errno
 import threading
 from typing import Any
 
-from checkpointd.checksum import BytesLike
 from checkpointd.errors import StorageFullError
+from checkpointd.format.checksum import BytesLike
 
 __all__ = ["ParallelUploadSink", "choose_part_size"]
 

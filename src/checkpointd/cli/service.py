@@ -1,0 +1,51 @@
+"""``checkpointd serve`` and ``checkpointd status``: parse, call the daemon package, print.
+
+``status`` imports no torch (it only talks to the socket)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from checkpointd.cli.output import size_text
+
+__all__ = ["cmd_serve", "cmd_status"]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from checkpointd.daemon.paths import default_socket, parse_size
+    from checkpointd.daemon.server import serve
+
+    limit = None if args.memory_limit is None else parse_size(args.memory_limit)
+    serve(
+        args.socket or default_socket(),
+        memory_limit=limit,
+        keep_in_memory=args.keep_in_memory,
+        idle_exit=args.idle_exit,
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from checkpointd.daemon.client import status
+
+    reply = status(args.socket or "auto")
+    if args.json:
+        fields = msgspec.structs.asdict(reply)
+        fields.pop("id")
+        print(json.dumps(fields))
+        return 0
+    limit = "no limit" if reply.memory_limit is None else size_text(reply.memory_limit)
+    print(f"checkpoint service pid {reply.pid}: {reply.clients} client(s)")
+    print(
+        f"saves in flight: {reply.saves_in_flight} ({reply.committed} committed, {reply.failed} failed)"
+    )
+    print(
+        f"memory: {size_text(reply.bytes_staged)} staged, {size_text(reply.bytes_kept)} kept "
+        f"({limit})"
+    )
+    for root, steps in reply.kept.items():
+        print(f"kept in memory: {root.rsplit(' ', 1)[0]}: steps {', '.join(map(str, steps))}")
+    return 0

@@ -1,0 +1,2 @@
+"""Framework plugins: Lightning's CheckpointIO, accelerate's Accelerator, the transformers
+Trainer and torchtitan's checkpoint manager."""

@@ -1,0 +1,1 @@
+"""Foreign formats in and out: torch.save, safetensors, Hugging Face folders, DCP."""

@@ -1,0 +1,364 @@
+"""One commit from many ranks: every rank writes its share, one rank publishes.
+
+Runs on each rank's writer event loop; store calls and file I/O go to worker
+threads. The attempt's keys and its one outcome are rankattempt.py's:
+
+1. ``digest/{rank}``: each rank's digest of every component (CRC32C and size of
+   the files the plan makes of it). A rank that does not post one within
+   JOIN_SECONDS while alive did not join the save (``if rank == 0: save()``).
+   Replicated components must agree on every rank; a mismatch abandons the save
+   naming the component and the ranks.
+2. The files are spread over the ranks by size; each rank streams and commits
+   its own (the single-process commit protocol), then posts ``files/{rank}``.
+3. The publisher waits for every rank's files, posts the manifest, wins the
+   ``committed`` outcome, publishes and posts ``published``; the others wait
+   for the outcome, and for ``published`` (publishing the posted manifest
+   themselves if the publisher dies first).
+
+Whoever gives up (a failure, a dead, closed or absent rank) must win
+``abandoned`` first; then every rank removes the files it committed and
+nothing is published. A dead rank's files are leftovers for ``gc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from checkpointd.errors import CheckpointExistsError, RankFailedError
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import (
+    CheckpointInfo,
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    ShardedTensor,
+    decode_manifest,
+    encode_manifest,
+    shard_problem,
+)
+from checkpointd.maintain.retention import WriterIdentity
+from checkpointd.ranks.attempt import (
+    COMMITTED,
+    FAILED,
+    OK,
+    Attempt,
+    gather,
+    wait_for,
+)
+from checkpointd.ranks.group import Group
+from checkpointd.read.catalog import read_manifest, step_path
+from checkpointd.storage import FileSink, Store
+from checkpointd.write.commit import (
+    clean_up,
+    finish_commit,
+    in_thread,
+    manifest_of,
+    open_step,
+    publish_manifest,
+    write_files,
+)
+from checkpointd.write.handle import first_leaf
+from checkpointd.write.plan import PlannedFile, SavePlan, WriteFile
+
+__all__ = ["assign_ranks", "commit_ranked", "component_digests"]
+
+
+def component_digests(plan: SavePlan) -> dict[str, list[int]]:
+    """Per replicated component, [CRC32C, size] of the bytes of all its files, in plan
+    order (per-rank components are not compared). Any thread."""
+    digests: dict[str, list[int]] = {}
+    for file in plan.files:
+        if file.component in plan.per_rank or file.own:
+            continue
+        digest, size = digests.get(file.component, [0, 0])
+        for part in file.parts:
+            view = memoryview(part).cast("B")
+            digest = crc32c(view, digest)
+            size += view.nbytes
+        digests[file.component] = [digest, size]
+    return digests
+
+
+def assign_ranks(
+    files: list[PlannedFile], world_size: int, rank: int, per_rank: Mapping[str, str]
+) -> list[WriteFile]:
+    """``files`` with each one's writing rank: a per-rank component's and this rank's
+    shard files to ``rank``; the replicated ones largest first to the least-loaded rank
+    (lowest rank on ties), so every rank writes about the same number of bytes, the
+    same on every rank."""
+    loads = [0] * world_size
+    ranked: dict[str, WriteFile] = {}
+    for file in files:
+        if file.component in per_rank or file.own:
+            ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank, own=True)
+    shared = [f for f in files if f.component not in per_rank and not f.own]
+    for file in sorted(shared, key=lambda f: (-f.size, f.name)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += file.size
+        ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank)
+    return [ranked[f.name] for f in files]
+
+
+def _mismatch(posted: dict[int, dict[str, list[int]]]) -> str | None:
+    """Why replicas disagree, or None if every rank's digests agree."""
+    components = sorted({name for digests in posted.values() for name in digests})
+    for name in components:
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(posted):
+            value = posted[rank].get(name)
+            groups.setdefault(
+                "missing" if value is None else f"{value[0]:08x}/{value[1]}", []
+            ).append(rank)
+        if len(groups) > 1:
+            ranks = "; ".join(f"ranks {r} have {key}" for key, r in groups.items())
+            return (
+                f"component {name!r} differs between ranks "
+                f"({ranks}, as crc32c/bytes); replicated components must be equal on every "
+                "rank (wrap a per-rank component in checkpointd.PerRank)"
+            )
+    return None
+
+
+class _Share(msgspec.Struct, frozen=True):
+    """What a rank posts once its files are durable: their entries, and the components
+    only it has (its per-rank ones) with the per-rank names they stand for."""
+
+    files: list[FileEntry]
+    components: dict[str, ComponentEntry]
+    per_rank: dict[str, str]
+    sharded: dict[str, dict[str, ShardedTensor]] = msgspec.field(default_factory=dict)
+    """Per replicated component, its sharded tensors with the shards this rank wrote."""
+
+
+async def commit_ranked(
+    store: Store,
+    plan: SavePlan,
+    limiter: anyio.CapacityLimiter,
+    group: Group,
+    number: int,
+    *,
+    identity: WriterIdentity | None = None,
+) -> CheckpointInfo:
+    """This rank's part of the collective commit of ``plan`` (attempt ``number`` at its
+    step); returns the CheckpointInfo once the manifest is published.
+
+    Raises RankFailedError if the attempt was abandoned (another rank failed, died or
+    did not join, or replicas differ); this rank's own error if it failed here (after
+    abandoning the attempt for every rank). The same outcome on every rank.
+    """
+    attempt = Attempt(group, plan.step, number)
+    streamed: list[tuple[FileSink, FileEntry]] = []
+    committed: list[FileEntry] = []
+    everyone = list(range(group.world_size))
+    try:
+        digests = await anyio.to_thread.run_sync(component_digests, plan)
+        await anyio.to_thread.run_sync(attempt.post, "digest", digests)
+        posted = await gather(attempt, "digest", everyone, join=True)
+        why = _mismatch(
+            {r: msgspec.json.decode(v, type=dict[str, list[int]]) for r, v in posted.items()},
+        )
+        if why is not None:
+            attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.give_up, why))
+        await _write_share(store, plan, limiter, attempt, streamed=streamed, committed=committed)
+        if group.publishes:
+            manifest = await _publish(store, plan, limiter, attempt, identity=identity)
+        else:
+            manifest = await _follow(store, limiter, attempt)
+    except BaseException as exc:
+        leaf = first_leaf(exc)
+        with anyio.CancelScope(shield=True):
+            if await _may_remove(attempt, leaf):
+                await in_thread(limiter, clean_up, store, plan.step, streamed, committed)
+            else:
+                for sink, _ in streamed:
+                    with contextlib.suppress(Exception):
+                        sink.discard()
+        if isinstance(exc, Exception) and leaf is not exc:
+            raise leaf from None
+        raise
+    if group.publishes:
+        return await finish_commit(store, manifest, limiter, identity=identity)
+    return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
+
+
+async def _may_remove(attempt: Attempt, error: BaseException) -> bool:
+    """After ``error`` here: abandon the attempt unless that is decided already; True
+    if this rank may remove its files (the attempt is abandoned, or failed to publish),
+    False if a commit holds or the outcome is unknown (keep them: a manifest may list
+    them). Shielded, from commit_ranked's failure path."""
+    why = f"{type(error).__name__}: {error}"
+    try:
+        outcome = await anyio.to_thread.run_sync(attempt.give_up, why)
+        if outcome != COMMITTED:
+            return True
+        published = await anyio.to_thread.run_sync(attempt.read, "published")
+    except RankFailedError:
+        return False  # the store is gone: the outcome is unknown, gc decides later
+    return (published or b"").startswith(FAILED)
+
+
+async def _write_share(
+    store: Store,
+    plan: SavePlan,
+    limiter: anyio.CapacityLimiter,
+    attempt: Attempt,
+    *,
+    streamed: list[tuple[FileSink, FileEntry]],
+    committed: list[FileEntry],
+) -> None:
+    """Stream and commit the files assigned to this rank, then post their entries
+    (``streamed``/``committed`` collect them, for the clean-up on failure)."""
+    group = attempt.group
+    attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.outcome))
+    await open_step(store, plan.step, limiter)
+    assigned = assign_ranks(plan.files, group.world_size, group.rank, plan.per_rank)
+    mine = [f for f in assigned if f.rank == group.rank]
+    await write_files(store, plan.step, mine, limiter, streamed=streamed, committed=committed)
+    own = {key: plan.components[key] for key in plan.per_rank}
+    sharded = {
+        name: entry.sharded
+        for name, entry in plan.components.items()
+        if entry.sharded and name not in plan.per_rank
+    }
+    share = _Share(committed, own, plan.per_rank, sharded)
+    await anyio.to_thread.run_sync(attempt.post, "files", share)
+
+
+def _merge_shards(
+    step: int, name: str, entry: ComponentEntry, shares: list[_Share]
+) -> ComponentEntry:
+    """``entry`` with the shards every rank wrote of its sharded tensors; raises
+    RankFailedError unless they tile each tensor exactly (ranks that disagree on a
+    DTensor's shape or placements)."""
+    if not entry.sharded:
+        return entry
+    merged: dict[str, ShardedTensor] = {}
+    for tensor, mine in entry.sharded.items():
+        shards = []
+        for share in shares:
+            theirs = share.sharded.get(name, {}).get(tensor)
+            if theirs is None or (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape):
+                raise RankFailedError(
+                    f"the save of step {step} failed: ranks disagree on DTensor "
+                    f"{name}/{tensor} (its dtype and global shape must be the same on every rank)"
+                )
+            shards += theirs.shards
+        merged[tensor] = ShardedTensor(mine.dtype, mine.shape, shards)
+        if problem := shard_problem(merged[tensor]):
+            raise RankFailedError(
+                f"the save of step {step} failed: the shards of DTensor {name}/{tensor} do not "
+                f"tile it ({problem}); every rank must save the same DTensors"
+            )
+    return msgspec.structs.replace(entry, sharded=merged)
+
+
+async def _publish(
+    store: Store,
+    plan: SavePlan,
+    limiter: anyio.CapacityLimiter,
+    attempt: Attempt,
+    *,
+    identity: WriterIdentity | None,
+) -> Manifest:
+    """The publisher: wait for every rank's files, post the manifest listing them, win
+    ``committed``, publish it, post ``published``. Raises RankFailedError if the attempt
+    was abandoned first (nothing published); the publish's error after posting it."""
+    group = attempt.group
+    posted = await gather(attempt, "files", list(range(group.world_size)), join=False)
+    shares = [msgspec.json.decode(posted[r], type=_Share) for r in sorted(posted)]
+    manifest = _merged_manifest(plan, group.world_size, shares, identity)
+    await anyio.to_thread.run_sync(attempt.set_once, "manifest", encode_manifest(manifest))
+    attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.decide, COMMITTED))
+    try:
+        await _publish_once(store, manifest, limiter)
+    except Exception as exc:
+        failed = FAILED + f"{type(exc).__name__}: {exc}".encode()
+        if await anyio.to_thread.run_sync(attempt.set_once, "published", failed) == OK:
+            return manifest  # a follower published it meanwhile (this rank was stalled)
+        raise
+    await _settle(store, limiter, attempt, manifest)
+    return manifest
+
+
+async def _follow(store: Store, limiter: anyio.CapacityLimiter, attempt: Attempt) -> Manifest:
+    """A rank that does not publish: wait for the outcome, then for ``published``; if the
+    publisher dies in between, publish the posted manifest in its place. Returns the
+    manifest; RankFailedError if the attempt was abandoned or its publish failed."""
+    publisher = [attempt.group.publisher]
+    outcome = await wait_for(attempt, attempt.outcome, publisher)
+    attempt.raise_if_abandoned(outcome)
+    posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
+    assert posted is not None  # posted before committed was proposed
+    manifest = decode_manifest(posted, where=f"the posted manifest of step {attempt.step}")
+    published = await wait_for(
+        attempt, functools.partial(attempt.read, "published"), publisher, give_up=False
+    )
+    if published is None:  # the publisher died after the commit was decided
+        await _publish_once(store, manifest, limiter)
+        await _settle(store, limiter, attempt, manifest)
+    elif published.startswith(FAILED):
+        why = published[len(FAILED) :].decode(errors="replace")
+        raise RankFailedError(
+            f"the save of step {attempt.step} failed: rank {attempt.group.publisher} could "
+            f"not publish its manifest ({why})"
+        )
+    return manifest
+
+
+async def _publish_once(store: Store, manifest: Manifest, limiter: anyio.CapacityLimiter) -> None:
+    """Publish ``manifest``; if one is there already, it must be this very manifest (a
+    stalled publisher and the follower that stood in for it publish the same bytes)."""
+    try:
+        await publish_manifest(store, manifest, limiter)
+    except CheckpointExistsError:
+        if await in_thread(limiter, read_manifest, store, manifest.step) != manifest:
+            raise
+
+
+async def _settle(
+    store: Store, limiter: anyio.CapacityLimiter, attempt: Attempt, manifest: Manifest
+) -> None:
+    """After this rank published ``manifest``: post ``published``. Should a stalled
+    publisher have posted that its publish failed first, withdraw ours (manifest first,
+    the deletion rule) and fail like every other rank."""
+    held = await anyio.to_thread.run_sync(attempt.set_once, "published", OK)
+    if held != OK:
+        path = f"{step_dirname(manifest.step)}/{MANIFEST_NAME}"
+        await in_thread(limiter, store.remove_file, path)
+        raise RankFailedError(
+            f"the save of step {attempt.step} failed: its publish failed on another rank "
+            f"({held[len(FAILED) :].decode(errors='replace')})"
+        )
+
+
+def _merged_manifest(
+    plan: SavePlan, world_size: int, shares: list[_Share], identity: WriterIdentity | None
+) -> Manifest:
+    """The one manifest of a many-rank save: every rank's files and per-rank components,
+    sharded tensors merged (RankFailedError unless their shards tile them)."""
+    files = [entry for share in shares for entry in share.files]
+    components = {
+        name: _merge_shards(plan.step, name, entry, shares)
+        for name, entry in plan.components.items()
+        if name not in plan.per_rank
+    }
+    per_rank: dict[str, list[str]] = {}
+    for share in shares:
+        components.update(share.components)
+        for key, name in share.per_rank.items():
+            per_rank.setdefault(name, []).append(key)
+    return manifest_of(
+        plan,
+        files,
+        identity=identity,
+        components=components,
+        world_size=world_size,
+        per_rank=per_rank,
+    )

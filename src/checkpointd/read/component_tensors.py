@@ -1,0 +1,76 @@
+"""A component's tensors as the tree decoder asks for them (the reader's lazy mapping):
+its tensor files read whole on first use, shared blobs by reference, sharded tensors one
+box at a time, placed like the restore's DTensor templates. Reading thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.manifest import ComponentEntry
+
+if TYPE_CHECKING:
+    import torch
+
+    from checkpointd.read.reader import StepReader
+
+__all__ = ["ComponentTensors"]
+
+
+class ComponentTensors(Mapping[str, "torch.Tensor"]):
+    """A component's tensors by name, read when the tree decoder asks for them: the
+    plain tensor files all at once on first use, sharded tensors one by one."""
+
+    def __init__(
+        self,
+        reader: StepReader,
+        entry: ComponentEntry,
+        templates: Mapping[str, Any],
+        preloaded: Mapping[str, Mapping[str, torch.Tensor]],
+    ):
+        self.reader = reader
+        self.entry = entry
+        self.templates = templates
+        self.preloaded = preloaded
+        self._plain: dict[str, torch.Tensor] | None = None
+
+    def plain(self) -> dict[str, torch.Tensor]:
+        """The tensors of the component's tensor files and shared blobs, read on first use."""
+        if self._plain is None:
+            plain: dict[str, torch.Tensor] = {}
+            for tensor_file in self.entry.tensors:
+                done = self.preloaded.get(tensor_file)
+                plain.update(self.reader.tensors(tensor_file) if done is None else done)
+            for tensor, ref in self.entry.refs.items():
+                if tensor in plain:
+                    raise CorruptCheckpointError(
+                        f"{self.reader.where}: tensor {tensor!r} is both in a file and a blob"
+                    )
+                plain[tensor] = self.reader.blob_tensor(ref.blob, ref.dtype, ref.shape, tensor)
+            self._plain = plain
+        return self._plain
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from checkpointd.state.shards import as_template
+
+        sharded = self.entry.sharded.get(name)
+        template = self.templates.get(name)
+        if template is None:
+            if sharded is None:
+                return self.plain()[name]
+            return self.reader.region(
+                name, sharded, ((0,) * len(sharded.shape), tuple(sharded.shape))
+            )
+        plain = None if sharded is not None else self.plain()[name]
+        placed: torch.Tensor = as_template(name, template, plain, sharded, self.reader.region)
+        return placed
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entry.sharded or name in self.plain()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self.plain(), **self.entry.sharded})
+
+    def __len__(self) -> int:
+        return len({**self.plain(), **self.entry.sharded})

@@ -1,0 +1,492 @@
+"""Restore straight into live memory: which stored tensors land in a target's own tensors,
+the check pass through a small buffer, and the landing pass.
+
+``restore`` (restore.py) reads a component through ``read_for_restore``. For a target
+whose ``load_state_dict`` is known to either copy each tensor into its own memory
+(``nn.Module``, a tensor) or adopt the given tensors as they are (``torch.optim``
+optimizers, a dict), every stored tensor whose live counterpart is a contiguous CPU
+tensor of the same dtype and shape is a *direct* tensor: its bytes are read into the
+live tensor's memory, once, instead of into fresh memory that is then copied.
+
+Why that stays all or nothing, with at most two ``tunables.READ_CHUNK_BYTES`` buffers
+of extra memory for the direct tensors:
+
+1. **Check pass** (nothing changes): each tensor file holding a direct tensor is
+   streamed whole through two reused chunk buffers and its CRC32C compared with the
+   manifest; its other tensors are copied out into fresh memory on the way. Sizes,
+   headers, the tree and the fit checks are all done by then. On a store that can
+   pin a file (``Store.open_pinned``: a POSIX descriptor) the file stays open, so a
+   deletion or rename meanwhile (retention, ``gc``) changes nothing it reads; on
+   other stores the file is read whole into memory instead (one extra copy, no pin).
+2. **Load** (may fail, rolled back): ``load_state_dict`` runs on every target with the
+   direct tensors being the target's *own* tensors: a module copies each onto itself
+   (torch returns at once), an optimizer adopts the same tensors, so no tensor value
+   changes yet; everything else (non-direct tensors, hyper-parameters, counters) is
+   loaded. If any target refuses, every target gets its backup back: a backup holds
+   the direct tensors by reference (they did not change) and copies only what the
+   load changed (non-direct tensors a module copies into, non-tensor leaves).
+3. **Landing** (cannot fail on a committed checkpoint): the direct tensors' bytes are
+   read from the pinned file straight into the live tensors, and the file's CRC32C is
+   computed again over what landed. On an unpinned store they are copied from the
+   file read in step 1, which cannot fail at all. On a pinned file only an in-place
+   write into a committed file by another program (checkpointd never writes one: files
+   are created under temporary names and renamed) or a media error between the two
+   reads could make this step fail; that is reported as CorruptCheckpointError naming
+   the components whose tensors may be part restored, after the rest is rolled back.
+
+Blocking; the caller's thread (it starts one helper thread per file while streaming).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkpointd import tunables
+from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
+from checkpointd.format.checksum import crc32c_stream
+from checkpointd.format.codec import decode_tree
+from checkpointd.format.header import TensorEntry
+from checkpointd.read.reader import StepReader
+from checkpointd.state.stateful import component_state, unwrap
+from checkpointd.state.tree import alias_key, map_tree, walk
+from checkpointd.storage.base import PinnedFile
+
+__all__ = ["Planned", "backup", "land", "lands_in_place", "read_for_restore", "release"]
+
+_ALIGN = 64
+"""Alignment of each tensor copied out into fresh memory during the check pass."""
+
+
+def _from_torch(method: Any) -> bool:
+    return str(getattr(method, "__module__", "")).startswith("torch.")
+
+
+def _plain_module(module: torch.nn.Module) -> bool:
+    """No hooks, no extra state, and torch's own state-dict methods in every submodule:
+    then ``load_state_dict`` copies each stored tensor into the live one, nothing else."""
+    for sub in module.modules():
+        kind = type(sub)
+        if (
+            sub._load_state_dict_pre_hooks
+            or sub._load_state_dict_post_hooks
+            or sub._state_dict_hooks
+            or sub._state_dict_pre_hooks
+            or kind.get_extra_state is not torch.nn.Module.get_extra_state
+            or not all(
+                _from_torch(getattr(kind, attr))
+                for attr in ("_load_from_state_dict", "_save_to_state_dict", "state_dict")
+            )
+        ):
+            return False
+    return type(module).load_state_dict is torch.nn.Module.load_state_dict
+
+
+def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's own ``state_dict``/``load_state_dict`` and no hooks on them."""
+    kind = type(optimizer)
+    hooks = (
+        "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+        "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks",
+    )
+    return (
+        kind.load_state_dict is torch.optim.Optimizer.load_state_dict
+        and kind.state_dict is torch.optim.Optimizer.state_dict
+        and not any(getattr(optimizer, hook, None) for hook in hooks)
+    )
+
+
+def lands_in_place(target: Any) -> str | None:
+    """How ``load_component`` treats ``target``'s tensors, where that is known: "copy"
+    (copies stored tensors into its own: a plain module, a tensor), "adopt" (keeps the
+    stored tensors as they are: a plain torch optimizer, a dict), else None."""
+    live = unwrap(target)
+    if isinstance(live, torch.nn.Module):
+        return "copy" if _plain_module(live) else None
+    if isinstance(live, torch.optim.Optimizer):
+        return "adopt" if _plain_optimizer(live) else None
+    if type(live) in (torch.Tensor, torch.nn.Parameter):
+        return "copy"
+    if type(live) is dict:
+        return "adopt"
+    return None
+
+
+@dataclass
+class _Landing:
+    """One tensor file some of whose tensors land straight in live tensors."""
+
+    file: str
+    start: int
+    entries: list[TensorEntry]
+    direct: dict[str, torch.Tensor]
+    crc32c: int
+    header: bytes = b""
+    kept: list[memoryview] = field(default_factory=list)
+    """Byte views of the tensors that do not land directly, in file order."""
+    pinned: PinnedFile | None = None
+    source: torch.Tensor | None = None
+
+
+@dataclass
+class Planned:
+    """A component read for restore: its tree (direct tensors are the live ones) and
+    what is left to land. ``how`` is ``lands_in_place``'s answer, None for the plain path."""
+
+    tree: Any
+    how: str | None = None
+    landings: list[_Landing] = field(default_factory=list)
+
+    def direct_keys(self) -> set[tuple[Any, ...]]:
+        return {alias_key(t) for landing in self.landings for t in landing.direct.values()}
+
+
+class _Probe(Mapping[str, torch.Tensor]):
+    """Stands in for a component's tensors while its tree is decoded once to see where
+    each tensor goes: a distinct empty tensor per request, remembered by id."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.handed: dict[int, tuple[str, torch.Tensor]] = {}
+        self.requests: dict[str, int] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        placeholder = torch.empty(0, dtype=torch.uint8)
+        self.handed[id(placeholder)] = (name, placeholder)
+        self.requests[name] = self.requests.get(name, 0) + 1
+        return placeholder
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Any:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _fits(live: torch.Tensor, entry: TensorEntry) -> bool:
+    """Whether ``entry``'s bytes can be read straight into ``live``'s memory."""
+    return (
+        type(live) in (torch.Tensor, torch.nn.Parameter)
+        and live.layout == torch.strided
+        and live.device.type == "cpu"
+        and live.dtype == entry.dtype
+        and tuple(live.shape) == tuple(entry.shape)
+        and live.numel() > 0
+        and live.is_contiguous()
+        and not live.is_conj()
+        and not live.is_neg()
+        and live.numel() * live.element_size() == entry.end - entry.begin
+    )
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def _direct(
+    probe: _Probe,
+    probe_tree: Any,
+    live_tree: Any,
+    by_name: Mapping[str, TensorEntry],
+    optimizer: bool,
+) -> dict[str, torch.Tensor]:
+    """Tensor name -> the live tensor its bytes can land in: used only as tensors, every
+    use at a path whose live tensor shows the same memory, fitting it exactly. For an
+    optimizer only its per-parameter ``state``: ``load_state_dict`` deep-copies the
+    parameter groups, so a tensor there (a tensor ``lr``) is not kept."""
+    live = {
+        path: leaf
+        for path, leaf in walk(live_tree)
+        if isinstance(leaf, torch.Tensor) and (not optimizer or path[:1] == ("state",))
+    }
+    uses: dict[str, list[tuple[str, ...]]] = {}
+    for path, leaf in walk(probe_tree):
+        if isinstance(leaf, torch.Tensor) and id(leaf) in probe.handed:
+            uses.setdefault(probe.handed[id(leaf)][0], []).append(path)
+    direct: dict[str, torch.Tensor] = {}
+    taken: list[tuple[int, int]] = []
+    for name, paths in uses.items():
+        entry = by_name.get(name)
+        if entry is None or len(paths) != probe.requests.get(name):
+            continue
+        dests = [live.get(path) for path in paths]
+        first = dests[0]
+        if first is None or not _fits(first, entry):
+            continue
+        if any(d is None or alias_key(d) != alias_key(first) for d in dests[1:]):
+            continue
+        span = (first.data_ptr(), first.data_ptr() + entry.end - entry.begin)
+        if any(a < span[1] and span[0] < b for a, b in taken):
+            continue  # overlaps another direct tensor's memory: copy it the usual way
+        taken.append(span)
+        direct[name] = first
+    return direct
+
+
+def read_for_restore(
+    reader: StepReader, name: str, target: Any, templates: Mapping[str, Any]
+) -> Planned:
+    """Read component ``name`` for restoring into ``target``: checked (sizes, headers,
+    CRC32C of every file), nothing changed. Direct tensors (see the module docstring) are
+    the target's own tensors in the returned tree, still holding their old values, and
+    are left to ``land``; ``release`` the result when done (it may hold open files)."""
+    entry = reader.manifest.components[name]
+    how = None if templates else lands_in_place(target)
+    tree_bytes = reader.tree(entry)
+    if how is None or not entry.tensors:
+        return Planned(reader.component(name, entry, templates, tree=tree_bytes))
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]] = {}
+    try:
+        layouts = {file: _open(reader, file, opened) for file in entry.tensors}
+        return _plan(reader, name, target, templates, how, tree_bytes, layouts, opened)
+    finally:
+        for pinned, _ in opened.values():
+            if pinned is not None:
+                pinned.close()  # those not handed to a landing
+
+
+def _open(
+    reader: StepReader,
+    file: str,
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]],
+) -> tuple[int, list[TensorEntry]]:
+    """Pin ``file`` where the store can, else read it whole once (checked, one request
+    on an object store: no separate header reads); its layout."""
+    try:
+        pinned = reader.store.open_pinned(f"{reader.folder}/{file}")
+    except StorageNotFoundError:
+        raise reader.vanished(file) from None
+    if pinned is not None:
+        opened[file] = (pinned, None)
+        return reader.layout(file)
+    whole = reader.read(file)  # size and CRC32C checked
+    opened[file] = (None, whole)
+    return reader.layout_of(file, whole)
+
+
+def _plan(  # noqa: PLR0917 - the one caller passes what it already has
+    reader: StepReader,
+    name: str,
+    target: Any,
+    templates: Mapping[str, Any],
+    how: str,
+    tree_bytes: bytes,
+    layouts: Mapping[str, tuple[int, list[TensorEntry]]],
+    opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]],
+) -> Planned:
+    """``read_for_restore`` once each tensor file is pinned (or read whole) in ``opened``;
+    the pins it hands to a landing are removed from ``opened``."""
+    entry = reader.manifest.components[name]
+    whole = {file: source for file, (_, source) in opened.items() if source is not None}
+    preloaded = {file: reader.tensors_of(file, source) for file, source in whole.items()}
+    owner = {e.name: file for file, (_, entries) in layouts.items() for e in entries}
+    by_name = {
+        e.name: e
+        for _, entries in layouts.values()
+        for e in entries
+        if e.name not in entry.sharded and e.name not in entry.refs
+    }
+    probe = _Probe(set(owner) | set(entry.sharded) | set(entry.refs))
+    where = f"{reader.where}/{entry.tree}"
+    probe_tree = decode_tree(tree_bytes, probe, where=where)
+    from checkpointd.state.optimizers import is_by_name
+
+    direct = {}
+    if not (how == "adopt" and is_by_name(probe_tree)):
+        live = unwrap(target)
+        optimizer = isinstance(live, torch.optim.Optimizer)
+        direct = _direct(probe, probe_tree, component_state(live, name), by_name, optimizer)
+    if not direct:
+        tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
+        return Planned(tree)
+    landings: list[_Landing] = []
+    try:
+        for file, (start, entries) in layouts.items():
+            mine = {n: t for n, t in direct.items() if owner[n] == file}
+            if mine:
+                ordered = sorted(entries, key=lambda e: e.begin)
+                landing = _Landing(file, start, ordered, mine, reader.files[file].crc32c)
+                landing.pinned, landing.source = opened.pop(file)
+                landings.append(landing)
+                preloaded[file] = {**_check_pass(reader, landing), **mine}
+        tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
+    except BaseException:
+        release([Planned(None, how, landings)])
+        raise
+    return Planned(tree, how, landings)
+
+
+def _reader(reader: StepReader, landing: _Landing) -> Callable[[memoryview, int], None]:
+    pinned = landing.pinned
+    assert pinned is not None
+
+    def read(view: memoryview, offset: int) -> None:
+        try:
+            pinned.read_into(view, offset)
+        except StorageNotFoundError:
+            raise reader.vanished(landing.file) from None
+
+    return read
+
+
+def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor]:
+    """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
+    copying its header and its non-direct tensors out on the way; those tensors by name.
+    Where the store could not pin the file it was read whole (kept until landing)."""
+    size = reader.files[landing.file].size
+    others = [e for e in landing.entries if e.name not in landing.direct]
+    pinned, source = landing.pinned, landing.source
+    if pinned is None:
+        assert source is not None  # read whole (and checked) by _open
+        landing.header = bytes(source[: landing.start].numpy())
+        kept: dict[str, torch.Tensor] = {}
+        for e in others:
+            piece = source[landing.start + e.begin : landing.start + e.end]
+            if (landing.start + e.begin) % e.dtype.itemsize:
+                piece = piece.clone()
+            kept[e.name] = piece.view(e.dtype).view(e.shape)
+        return kept
+    offsets: list[int] = []
+    total = 0
+    for e in others:
+        offsets.append(total)
+        total += -(-(e.end - e.begin) // _ALIGN) * _ALIGN
+    memory = torch.empty(total, dtype=torch.uint8)
+    out = memory.numpy().data.cast("B") if total else memoryview(b"")
+    # (file begin, file end, destination) of what is copied out of each chunk, in order.
+    copies: list[tuple[int, int, int | None]] = [(0, landing.start, None)] + [
+        (landing.start + e.begin, landing.start + e.end, at)
+        for e, at in zip(others, offsets, strict=True)
+    ]
+    header = bytearray(landing.start)
+    chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
+    buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
+    spans: list[tuple[memoryview, int | None]] = [
+        (buffers[i % 2][: min(chunk, size - offset)], offset)
+        for i, offset in enumerate(range(0, size, chunk))
+    ]
+    cursor = 0
+
+    def extract(i: int, view: memoryview) -> None:
+        nonlocal cursor
+        lo, hi = i * chunk, i * chunk + len(view)
+        while cursor < len(copies) and copies[cursor][1] <= lo:
+            cursor += 1
+        j = cursor
+        while j < len(copies) and copies[j][0] < hi:
+            begin, end, at = copies[j]
+            a, b = max(begin, lo), min(end, hi)
+            if a < b:
+                if at is None:
+                    header[a:b] = view[a - lo : b - lo]
+                else:
+                    out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
+            j += 1
+
+    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+    landing.header = bytes(header)
+    landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
+    return {
+        e.name: memory[at : at + e.end - e.begin].view(e.dtype).view(e.shape)
+        for e, at in zip(others, offsets, strict=True)
+    }
+
+
+def backup(target: Any, planned: Planned) -> Any:
+    """What restores ``target`` if a load fails before landing: its state tree with the
+    direct tensors (and, for "adopt" targets, every tensor: their load never writes into
+    a tensor) by reference, everything else copied."""
+    keep = planned.direct_keys()
+    adopt = planned.how == "adopt"
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if adopt or alias_key(tensor) in keep:
+            return tensor
+        return tensor.detach().to("cpu", copy=True)
+
+    def copy_leaf(value: Any) -> Any:
+        return value.copy() if isinstance(value, np.ndarray) else copy.deepcopy(value)
+
+    return map_tree(component_state(target, "backup"), copy_tensor, copy_leaf)
+
+
+def still_held(target: Any, planned: Planned) -> bool:
+    """After the load: whether ``target`` still holds every direct tensor (so landing its
+    bytes restores it). A safety net: true for every kind ``lands_in_place`` accepts."""
+    if not planned.landings:
+        return True
+    held = {
+        alias_key(leaf)
+        for _, leaf in walk(component_state(target, "check"))
+        if isinstance(leaf, torch.Tensor)
+    }
+    return planned.direct_keys() <= held
+
+
+def land(where: str, planned: Planned) -> None:
+    """Read the direct tensors' bytes into the live tensors, checking each pinned file's
+    CRC32C again over what landed (``where``: the step, for messages);
+    CorruptCheckpointError if it differs (the file changed since the check pass)."""
+    for landing in planned.landings:
+        _land_one(where, landing)
+        for live in landing.direct.values():
+            # As an in-place copy would: autograd then refuses a backward through a
+            # graph that saved the old values, instead of using the new ones silently.
+            torch.autograd.graph.increment_version(live)
+
+
+def _land_one(where: str, landing: _Landing) -> None:
+    """``land`` for one file."""
+    source = landing.source
+    if source is not None:  # read whole and checked in the check pass
+        for e in landing.entries:
+            live = landing.direct.get(e.name)
+            if live is not None:
+                flat = live.detach().reshape(-1).view(torch.uint8)
+                flat.copy_(source[landing.start + e.begin : landing.start + e.end])
+        return
+    pinned = landing.pinned
+    assert pinned is not None
+    spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
+    kept = iter(landing.kept)
+    for e in landing.entries:
+        live = landing.direct.get(e.name)
+        if live is None:
+            spans.append((next(kept), None))
+            continue
+        view = _bytes_of(live)
+        for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
+            part = view[at : at + tunables.READ_CHUNK_BYTES]
+            spans.append((part, landing.start + e.begin + at))
+    digest = crc32c_stream(spans, pinned.read_into)
+    if digest != landing.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
+            f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
+            "file changed while it was being restored)"
+        )
+
+
+def release(planned: list[Planned]) -> None:
+    """Close the files ``read_for_restore`` kept open and drop the kept copies."""
+    for item in planned:
+        for landing in item.landings:
+            if landing.pinned is not None:
+                pinned, landing.pinned = landing.pinned, None
+                pinned.close()
+            landing.source = None
+            landing.kept = []

@@ -1,0 +1,1 @@
+"""Rebuilding live objects from the specs a checkpoint records (``build``, ``spec``)."""

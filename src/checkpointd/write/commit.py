@@ -1,0 +1,277 @@
+"""How a planned save becomes durable: the commit protocol.
+
+Runs on the writer's event loop; blocking storage calls go to worker threads.
+It knows files, not components: the plan (plan.py) says what to write.
+Order: create the step folder; write every planned file concurrently
+(bounded), each under a name unique to this attempt, to a temporary name or
+an uncommitted upload, computing CRC32C as the bytes go out, then commit it
+(fsync + rename, or complete the upload); fsync the folder; publish the
+manifest exclusively. Only then is the checkpoint visible. The exclusive
+publish alone decides between attempts at the same step: no lock, so nothing
+a dead writer left can block a live one. On any failure (losing the publish
+included) every file this attempt wrote is removed and nothing is published;
+the winner removes old leftovers of earlier attempts. Retention runs after
+(retention.apply_retention), not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from checkpointd import tunables
+from checkpointd._version import __version__
+from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import (
+    CheckpointInfo,
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    encode_manifest,
+    schema_for,
+)
+from checkpointd.maintain.cleanup import remove_leftovers, unreferenced_files
+from checkpointd.maintain.retention import WriterIdentity
+from checkpointd.read.catalog import read_manifest, step_path
+from checkpointd.storage import FileSink, Store
+from checkpointd.write.plan import SavePlan, WriteFile
+
+__all__ = [
+    "clean_up",
+    "commit_plan",
+    "finish_commit",
+    "in_thread",
+    "manifest_of",
+    "open_step",
+    "publish_manifest",
+    "write_files",
+]
+
+T = TypeVar("T")
+
+
+async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread under the save's ``limiter``; from the event loop."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
+
+
+def _stream_file(store: Store, folder: str, file: WriteFile) -> tuple[FileSink, FileEntry]:
+    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go.
+    Worker thread."""
+    sink = store.open_file(f"{folder}/{file.name}", size=file.size)
+    chunk_bytes = tunables.CHUNK_BYTES
+    try:
+        digest = 0
+        size = 0
+        for part in file.parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), chunk_bytes):
+                chunk = view[start : start + chunk_bytes]
+                digest = crc32c(chunk, digest)
+                sink.write(chunk)
+                size += len(chunk)
+    except BaseException:
+        sink.discard()
+        raise
+    return sink, FileEntry(path=file.name, size=size, crc32c=digest, rank=file.rank)
+
+
+def _commit_file(sink: FileSink) -> None:
+    """Make one streamed file durable under its final name, or discard it. Worker thread."""
+    try:
+        sink.commit()
+    except BaseException:
+        sink.discard()
+        raise
+
+
+async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> None:
+    """Create the step folder; CheckpointExistsError if the step is already committed.
+
+    First of a save's steps, before anything is written. Event loop."""
+    folder = step_dirname(step)
+    await in_thread(limiter, store.make_dir, folder)
+    if await in_thread(limiter, store.exists, f"{folder}/{MANIFEST_NAME}"):
+        raise CheckpointExistsError(f"step {step} is already committed at {step_path(store, step)}")
+
+
+async def write_files(
+    store: Store,
+    step: int,
+    files: Sequence[WriteFile],
+    limiter: anyio.CapacityLimiter,
+    *,
+    streamed: list[tuple[FileSink, FileEntry]],
+    committed: list[FileEntry],
+) -> None:
+    """Stream every file (bounded by ``limiter``), then commit each and sync the folder.
+
+    ``streamed`` and ``committed`` collect what was written, so the caller can clean
+    up if this raises. Nothing is committed until every file has streamed. Event loop."""
+    folder = step_dirname(step)
+
+    async def stream(file: WriteFile) -> None:
+        streamed.append(await in_thread(limiter, _stream_file, store, folder, file))
+
+    async def commit(sink: FileSink, entry: FileEntry) -> None:
+        await in_thread(limiter, _commit_file, sink)
+        streamed.remove((sink, entry))
+        committed.append(entry)
+
+    async with anyio.create_task_group() as group:
+        for file in files:
+            group.start_soon(stream, file)
+    async with anyio.create_task_group() as group:
+        for sink, entry in list(streamed):
+            group.start_soon(commit, sink, entry)
+    await in_thread(limiter, store.sync_dir, folder)
+
+
+async def publish_manifest(
+    store: Store, manifest: Manifest, limiter: anyio.CapacityLimiter
+) -> None:
+    """Publish ``manifest`` exclusively: the commit. CheckpointExistsError if another
+    writer's manifest is there first. Call only once every listed file is durable."""
+    step = manifest.step
+    path = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    try:
+        await in_thread(limiter, store.publish, path, encode_manifest(manifest))
+    except CheckpointExistsError:
+        raise CheckpointExistsError(
+            f"step {step} was committed by another writer at {step_path(store, step)}"
+        ) from None
+
+
+async def commit_plan(
+    store: Store,
+    plan: SavePlan,
+    limiter: anyio.CapacityLimiter,
+    *,
+    identity: WriterIdentity | None = None,
+) -> CheckpointInfo:
+    """Write, commit and publish ``plan``; return its CheckpointInfo once it is durable.
+
+    Every file has a name unique to this attempt (the plan's token), so
+    concurrent or dead attempts at the same step never touch each other's files;
+    the exclusive publish of the manifest alone decides which attempt is the
+    checkpoint. Raises CheckpointExistsError if the step is already committed
+    (before writing anything) or another writer publishes it first (after
+    removing this attempt's files); StorageError on I/O failure. ``identity``
+    (the writer's) is recorded in the manifest and told of the commit.
+    """
+    step = plan.step
+    await open_step(store, step, limiter)
+    streamed: list[tuple[FileSink, FileEntry]] = []
+    committed: list[FileEntry] = []
+    try:
+        await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
+        manifest = manifest_of(plan, committed, identity=identity)
+        await publish_manifest(store, manifest, limiter)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await in_thread(limiter, clean_up, store, step, streamed, committed)
+        raise
+    return await finish_commit(store, manifest, limiter, identity=identity)
+
+
+def manifest_of(
+    plan: SavePlan,
+    files: Sequence[FileEntry],
+    *,
+    identity: WriterIdentity | None,
+    components: Mapping[str, ComponentEntry] | None = None,
+    world_size: int = 1,
+    per_rank: Mapping[str, list[str]] | None = None,
+) -> Manifest:
+    """The manifest that commits ``plan`` once ``files`` are durable: the one way a save
+    makes its manifest. ``components`` (default the plan's), ``world_size`` and
+    ``per_rank`` are a many-rank save's merged ones. Any thread."""
+    components = plan.components if components is None else components
+    return Manifest(
+        schema_version=schema_for(components, plan.blobs),
+        step=plan.step,
+        created_at=plan.created_at,
+        library_version=__version__,
+        components=dict(components),
+        files=sorted(files, key=lambda f: f.path),
+        metrics=plan.metrics,
+        metadata=plan.metadata,
+        world_size=world_size,
+        per_rank=dict(per_rank or {}),
+        specs=plan.specs,
+        writer="" if identity is None else identity.id,
+        lineage="" if identity is None else identity.lineage,
+        blobs=plan.blobs,
+    )
+
+
+async def finish_commit(
+    store: Store,
+    manifest: Manifest,
+    limiter: anyio.CapacityLimiter,
+    *,
+    identity: WriterIdentity | None,
+) -> CheckpointInfo:
+    """After this writer published ``manifest``: tell ``identity``, sweep what earlier
+    (dead) attempts left in the step's folder, and return the CheckpointInfo. Event loop."""
+    if identity is not None:
+        identity.note_commit(time.monotonic())
+    listed = [f.path for f in manifest.files]
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await in_thread(limiter, _sweep, store, step_dirname(manifest.step), listed)
+    return CheckpointInfo.from_manifest(manifest, step_path(store, manifest.step))
+
+
+def _sweep(store: Store, folder: str, listed: list[str]) -> None:
+    """Remove what earlier (dead) attempts left in our just-committed ``folder``.
+
+    Only files older than tunables.GC_OLDER_THAN go: a younger one may belong to a
+    live attempt that lost and is removing its own files. Worker thread.
+    """
+    names = store.list_dir(folder)
+    if set(names) <= {MANIFEST_NAME, *listed}:
+        return
+    old = unreferenced_files(store, folder, listed, names, older_than=tunables.GC_OLDER_THAN)
+    remove_leftovers(store, old)
+
+
+def clean_up(
+    store: Store,
+    step: int,
+    streamed: list[tuple[FileSink, FileEntry]],
+    committed: list[FileEntry],
+) -> None:
+    """Undo a failed or losing save: discard its uploads and remove the files it committed.
+
+    Only this attempt's own files (their names are unique to it) are touched,
+    unless a manifest that lists them was published after all (a publish with an
+    unknown outcome that landed): then the checkpoint is complete and visible and
+    its files must stay. Best effort; worker thread.
+    """
+    for sink, _ in streamed:
+        with contextlib.suppress(Exception):
+            sink.discard()
+    if not committed:
+        return
+    ours = {entry.path for entry in committed}
+    try:
+        published = read_manifest(store, step)
+    except CheckpointNotFoundError:
+        pass
+    except Exception:
+        return  # unknown: keep the files; gc removes them if no manifest lists them
+    else:
+        if ours & {f.path for f in published.files}:
+            return
+    folder = step_dirname(step)
+    for path in ours:
+        with contextlib.suppress(Exception):
+            store.remove_file(f"{folder}/{path}")

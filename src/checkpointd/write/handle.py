@@ -1,0 +1,166 @@
+"""SaveHandle, the outcome of one save, and the record of background errors nobody saw yet."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+
+from checkpointd.errors import CheckpointTimeoutError, WriterClosedError, WrongThreadError
+from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.write import lifecycle
+
+if TYPE_CHECKING:
+    from checkpointd.write.staging import Staging
+
+__all__ = ["Failures", "SaveHandle", "first_leaf"]
+
+
+class SaveHandle:
+    """The outcome of one ``save()``: resolved by the writer once the checkpoint is
+    committed (or failed). ``result()`` may be called from any thread but the
+    writer's own event-loop thread; ``wait()`` from any event loop.
+
+    In a process forked while the save was pending, the save is the parent's:
+    ``result()`` and ``wait()`` raise WriterClosedError instead of waiting forever.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        started: float,
+        event: anyio.Event | None = None,
+        *,
+        loop_thread: int | None = None,
+    ) -> None:
+        self.step = step
+        self.blocked_seconds = 0.0
+        """Seconds ``save()`` held the caller (waiting for a buffer plus capture)."""
+        self.durable_seconds: float | None = None
+        """Seconds from the call to ``save()`` until committed; None until done."""
+        self._started = started
+        self._event = event
+        self._loop_thread = loop_thread
+        self._generation = lifecycle.generation()
+        self._done = threading.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self._failures: Failures | None = None
+        self._staging: Staging | None = None  # overlapped staging only
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed."""
+        return self._done.is_set()
+
+    def staged(self) -> bool:
+        """True once the state is copied into host memory, so that it may change. Always
+        True in the blocking staging mode (``save()`` returned after the copy); with
+        ``staging="overlapped"`` the copy of optimized parameters and optimizer state
+        may still run when ``save()`` returns. A failed copy counts as staged (it has
+        ended; ``result()`` raises its error). Any thread."""
+        return self._staging is None or self._staging.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until ``staged()``; raise CheckpointTimeoutError if ``timeout`` runs out.
+        Any thread. Raises WriterClosedError in a process that inherited the handle
+        through fork()."""
+        if self.staged():
+            return
+        self._check_waitable()
+        assert self._staging is not None
+        if not self._staging.wait(timeout):
+            raise CheckpointTimeoutError(f"save of step {self.step} still staging after {timeout}s")
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until the save resolves; return its CheckpointInfo or raise its error.
+
+        Raises CheckpointTimeoutError (a TimeoutError) if it is still running after
+        ``timeout`` seconds, and
+        WrongThreadError if called, while pending, on the event-loop thread that
+        resolves it (it would wait forever: use ``await handle.wait()`` there).
+        """
+        if not self._done.is_set():
+            self._check_waitable()
+            if threading.get_ident() == self._loop_thread:
+                raise WrongThreadError(
+                    f"handle.result() for step {self.step} was called on the writer's event "
+                    "loop thread, which resolves it: it would wait forever; "
+                    "use 'await handle.wait()' in async code"
+                )
+        if not self._done.wait(timeout):
+            raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout}s")
+        return self._outcome()
+
+    async def wait(self) -> CheckpointInfo:
+        """Await the save's resolution; return its CheckpointInfo or raise its error."""
+        if not self._done.is_set():
+            self._check_waitable()
+            if self._event is not None:
+                await self._event.wait()
+            else:
+                await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
+        return self._outcome()
+
+    def _check_waitable(self) -> None:
+        if lifecycle.inherited(self._generation):
+            raise WriterClosedError(
+                f"the save of step {self.step} belongs to the parent process: this handle "
+                "was inherited through fork() and never resolves here"
+            )
+
+    def _outcome(self) -> CheckpointInfo:
+        if self._error is not None:
+            if self._failures is not None:
+                self._failures.observe(self._error)
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def _resolve(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
+        """Called once, on the writer's event loop."""
+        self._info, self._error = info, error
+        self.durable_seconds = time.perf_counter() - self._started
+        self._done.set()
+        if self._event is not None:
+            self._event.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+class Failures:
+    """Errors from the background that nobody has seen raised yet. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unseen: list[BaseException] = []
+
+    def add(self, error: BaseException) -> None:
+        with self._lock:
+            self._unseen.append(error)
+
+    def observe(self, error: BaseException) -> None:
+        with self._lock:
+            self._unseen = [e for e in self._unseen if e is not error]
+
+    def take_first(self) -> BaseException | None:
+        """Remove and return the oldest unseen error, if any."""
+        with self._lock:
+            return self._unseen.pop(0) if self._unseen else None
+
+    def raise_first(self) -> None:
+        """Raise the oldest unseen error (marking it seen), if any."""
+        error = self.take_first()
+        if error is not None:
+            raise error
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """The first concrete error inside (possibly nested) exception groups."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -1,0 +1,235 @@
+"""The background half of a writer: one service task on an event loop writes snapshots in order.
+
+Also what the writer knows about committed steps: the newest one, read once
+when the writer starts, and the deletion of newer steps after a rollback
+(``newer_steps="discard"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from checkpointd.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    WriterClosedError,
+)
+from checkpointd.format.manifest import CheckpointInfo, Manifest
+from checkpointd.maintain.retention import (
+    RetentionPolicy,
+    WriterIdentity,
+    apply_retention,
+    delete_checkpoints,
+)
+from checkpointd.read import catalog
+from checkpointd.storage import Store
+from checkpointd.write import lifecycle
+from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.commit import commit_plan
+from checkpointd.write.handle import Failures, SaveHandle, first_leaf
+from checkpointd.write.plan import Snapshot, plan_snapshot
+
+if TYPE_CHECKING:
+    from checkpointd.ranks.group import Group
+    from checkpointd.write.incremental import IncrementalSaver
+
+__all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
+
+NewerSteps = Literal["error", "keep", "discard"]
+
+
+def newest_committed(store: Store) -> int | None:
+    """The newest step whose manifest reads back, or None: one listing, then usually one
+    manifest read. A damaged manifest is skipped (readers skip it too); one of a newer
+    schema counts (a newer checkpointd committed it). Blocking; any thread."""
+    for step in reversed(catalog.step_folders(store)):
+        try:
+            catalog.read_manifest(store, step)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue
+        except IncompatibleCheckpointError:
+            return step
+        return step
+    return None
+
+
+def discard_newer(store: Store, step: int) -> list[int]:
+    """Delete every committed checkpoint newer than ``step``, newest first (each manifest
+    first); folders without a manifest (saves in flight, leftovers) are left to gc.
+    Returns the deleted steps. Worker thread (blocking)."""
+    newer = [s for s in reversed(catalog.step_folders(store)) if s > step]
+    return delete_checkpoints(store, newer)
+
+
+class WriteService:
+    """Lives on one event loop and writes snapshots in order.
+
+    ``newest`` is the newest committed step the writer knows of: set by the writer
+    before the service starts, then updated on the loop after each commit (read by
+    the caller thread without a lock: one attribute, written before the handle resolves).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        policy: RetentionPolicy,
+        max_pending: int,
+        max_concurrency: int,
+        newer_steps: NewerSteps = "error",
+        *,
+        group: Group | None = None,
+        incremental: bool = False,
+    ) -> None:
+        self.store = store
+        self.incremental: IncrementalSaver | None = None
+        """Set for ``incremental=True``: references unchanged tensors (incremental.py)."""
+        if incremental:
+            from checkpointd.write.incremental import IncrementalSaver
+
+            self.incremental = IncrementalSaver(store)
+        self.group = group
+        """The ranks that save together (None: this process alone); see distributed.py."""
+        self.policy = policy
+        self.identity = WriterIdentity.for_root(store.url)  # in its manifests; see retention
+        self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused
+        self.max_pending = max_pending
+        self.max_concurrency = max_concurrency
+        self.newer_steps = newer_steps
+        self.newest: int | None = None
+        self.loop_thread: int | None = None
+        self.failures = Failures()
+        self._generation = lifecycle.generation()
+        self._buffers = [StagingBuffer() for _ in range(max_pending)]
+        self._free: (
+            tuple[MemoryObjectSendStream[StagingBuffer], MemoryObjectReceiveStream[StagingBuffer]]
+            | None
+        ) = None
+        self._queue: (
+            tuple[
+                MemoryObjectSendStream[tuple[Snapshot, SaveHandle]],
+                MemoryObjectReceiveStream[tuple[Snapshot, SaveHandle]],
+            ]
+            | None
+        ) = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve queued snapshots until ``stop()``; reports started once it accepts saves."""
+        self.loop_thread = threading.get_ident()
+        limiter = anyio.CapacityLimiter(self.max_concurrency)
+        self._free = anyio.create_memory_object_stream[StagingBuffer](self.max_pending)
+        for buffer in self._buffers:
+            self._free[0].send_nowait(buffer)
+        self._queue = anyio.create_memory_object_stream[tuple[Snapshot, SaveHandle]](
+            self.max_pending
+        )
+        task_status.started()
+        async with self._queue[1] as queue, self._free[0], self._free[1]:
+            async for snapshot, handle in queue:
+                await self._write(snapshot, handle, limiter)
+
+    async def _write(
+        self, snapshot: Snapshot, handle: SaveHandle, limiter: anyio.CapacityLimiter
+    ) -> None:
+        """Write one snapshot, discard newer steps if asked, run retention, then resolve its
+        handle (in that order)."""
+        if lifecycle.inherited(self._generation):
+            # A fork child running a copy of the caller's loop: the save is the parent's.
+            self.release_buffer(snapshot.buffer)
+            handle._resolve(None, WriterClosedError("the writer was inherited through fork()"))
+            return
+        try:
+            try:
+                if handle._staging is not None:  # overlapped: the copy may still run
+                    await handle._staging.wait_async()
+                info = await self._commit(snapshot, limiter)
+            finally:
+                self.release_buffer(snapshot.buffer)  # the next save may capture now
+        except Exception as exc:
+            error = first_leaf(exc)
+            self.failures.add(error)
+            handle._resolve(None, error)
+            return
+        except BaseException:
+            handle._resolve(None, WriterClosedError("the writer stopped during this save"))
+            raise
+        try:
+            if self.group is not None and not self.group.publishes:
+                self.newest = max(info.step, -1 if self.newest is None else self.newest)
+                return  # the publishing rank discards newer steps and runs retention
+            if self.newer_steps == "discard":
+                self.newest = info.step
+                await anyio.to_thread.run_sync(
+                    discard_newer, self.store, info.step, limiter=limiter
+                )
+            else:
+                self.newest = max(info.step, -1 if self.newest is None else self.newest)
+            # After the discard: retention must not count the abandoned steps as the newest.
+            await apply_retention(
+                self.store,
+                self.policy,
+                limiter,
+                committed_step=info.step,
+                identity=self.identity,
+                known=self._manifests,
+            )
+        except Exception as exc:
+            # The checkpoint is committed; the failure is reported on its own.
+            self.failures.add(first_leaf(exc))
+        finally:
+            handle._resolve(info, None)
+
+    async def _commit(self, snapshot: Snapshot, limiter: anyio.CapacityLimiter) -> CheckpointInfo:
+        """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""
+        group = self.group
+        if group is None and self.incremental is not None:
+            return await self.incremental.commit(snapshot, limiter, identity=self.identity)
+        if group is None:
+            plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
+            return await commit_plan(self.store, plan, limiter, identity=self.identity)
+        from checkpointd.ranks.commit import commit_ranked
+
+        token = f"{group.token}{snapshot.attempt}"
+        plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot, token)
+        return await commit_ranked(
+            self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
+        )
+
+    async def acquire_buffer(self) -> StagingBuffer:
+        """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
+        assert self._free is not None
+        return await self._free[1].receive()
+
+    def release_buffer(self, buffer: StagingBuffer) -> None:
+        """Return a buffer to the pool; on the event loop."""
+        assert self._free is not None
+        self._free[0].send_nowait(buffer)
+
+    async def submit(self, snapshot: Snapshot, handle: SaveHandle) -> None:
+        """Queue a captured snapshot; never blocks (the queue holds max_pending)."""
+        assert self._queue is not None
+        handle._failures = self.failures
+        await self._queue[0].send((snapshot, handle))
+
+    async def stop(self) -> None:
+        """Let queued saves finish, then end ``run``."""
+        if self._queue is not None:
+            await self._queue[0].aclose()
+
+    def close_store(self) -> None:
+        """Release the store's resources (and stop the heartbeat) once the service has stopped."""
+        if self.group is not None:
+            self.group.close()
+        if self.incremental is not None:
+            self.incremental.close()
+        self.store.close()
+
+    def take_unseen_error(self) -> BaseException | None:
+        """The oldest error nobody has seen raised, marked seen (for the exit report)."""
+        return self.failures.take_first()

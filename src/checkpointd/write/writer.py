@@ -1,0 +1,398 @@
+"""The checkpoint writer: sync and async front ends over one background write service.
+
+``save()`` captures the state on the caller's thread and queues the snapshot;
+the service (service.py) writes queued snapshots one at a time, in order, each
+with its files written concurrently. ``CheckpointWriter`` runs the service on an
+event loop in a thread of its own (lifecycle.py); ``AsyncCheckpointWriter`` runs
+it in the caller's loop (asyncio or trio). At most ``max_pending`` snapshots
+exist at once (one staging buffer each, reused across saves): ``save()`` waits
+for a free one.
+
+A failed save resolves its handle with the error; an error nobody has seen yet
+is raised again by ``wait()``, by the next ``save()``, and when the writer closes.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import torch
+from anyio.abc import TaskGroup
+
+from checkpointd.errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    InvalidArgumentError,
+    WriterClosedError,
+)
+from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.read.restore import Checkpoint, RestoreInfo
+from checkpointd.write import lifecycle
+from checkpointd.write.handle import SaveHandle
+from checkpointd.write.lifecycle import LoopThread
+from checkpointd.write.loop import newest_committed
+
+if TYPE_CHECKING:
+    from checkpointd.write.preemption import PreemptionWatch
+from checkpointd.write.writer_base import WriterBase
+
+__all__ = ["AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"]
+
+
+class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
+    """Saves checkpoints in the background from synchronous training code.
+
+    Use as a context manager (or call ``close()``). ``save`` and ``wait`` are
+    called from one training thread; handles may be waited on from any thread.
+
+    A writer dropped without ``close()`` still finishes its pending saves (its
+    background thread closes itself) and warns with a ResourceWarning. In a child
+    made by ``fork()`` (DataLoader workers, multiprocessing) the writer is the
+    parent's: the child exits as fast as without it and never writes; ``save``
+    and ``wait`` raise WriterClosedError there, ``close`` and leaving the ``with``
+    block do nothing.
+    """
+
+    _preemption: PreemptionWatch | None = None
+    _preemption_saved = False
+
+    def _start(self) -> None:
+        """Read the newest committed step, then run the service on its own loop thread."""
+        try:
+            self._service.newest = newest_committed(self._store)
+            self._loop = LoopThread(self._service, self.root, self.background_niceness)
+        except BaseException:
+            self._service.close_store()
+            raise
+        self._finalizer = weakref.finalize(
+            self, lifecycle.writer_dropped, self._loop, "CheckpointWriter", self._pending
+        )
+        self._finalizer.atexit = False  # at exit, the exit hook closes the loop
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        specs: Mapping[str, Any] | None = None,
+        associations: Mapping[str, str] | None = None,
+    ) -> SaveHandle:
+        """Snapshot ``state`` for ``step`` and write it in the background.
+
+        Returns once the snapshot is taken: the caller may change its tensors (with
+        ``staging="overlapped"``: once the parameters and optimizer state still being
+        copied are guarded by the optimizers' step pre-hooks; see ``wait_staged``).
+        Blocks first while ``max_pending`` saves are in flight; interrupted there
+        (Ctrl-C), it leaves the writer as it was. Raises at once for a bad or
+        out-of-order step (see ``newer_steps``), an unstorable value or oversized
+        metrics/metadata, and raises a background error not yet seen. ``specs`` (name ->
+        ``checkpointd.spec(...)``) and ``associations`` are stored for ``checkpointd.build``.
+        """
+        started = time.perf_counter()
+        with self._attempt(step) as attempt:
+            plain = self._before_save(step, metrics, metadata)
+            recorded = self._record_specs(step, state, specs, associations)
+            service = self._service
+            buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
+            try:
+                snapshot, staging = self._snapshot(
+                    step, state, buffer, plain, recorded, attempt=attempt
+                )
+            except BaseException:
+                self._loop.call(service.release_buffer, buffer)
+                raise
+            handle = self._handle(step, started, staging=staging)
+            try:
+                self._loop.call(service.submit, snapshot, handle)
+            except Exception:
+                self._pending.remove(handle)
+                raise
+        handle.blocked_seconds = time.perf_counter() - started
+        return handle
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the latest save's state is all in host memory, so that any of its
+        tensors may change (with ``staging="overlapped"``; at once otherwise).
+
+        For changes other than ``optimizer.step()`` to parameters or optimizer state.
+        Raises CheckpointTimeoutError if ``timeout`` runs out. A copy that failed
+        ends staging too: its error fails the save's handle and is raised by
+        ``wait()``, the next ``save()`` or ``close()``. Training thread.
+        """
+        self._wait_staged(timeout)
+
+    def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+        """Watch ``signals`` (default SIGTERM): their arrival sets ``preempted``.
+
+        Opt-in; call from the main thread. The handler only sets a flag and chains
+        any Python handler installed before; the default action (ending the
+        process) is replaced, so the loop must save and exit: see
+        ``save_if_preempted``. ``close()`` puts the previous handlers back.
+        With many ranks, every rank watches and calls ``save_if_preempted`` at
+        every step boundary: the ranks agree there.
+        """
+        from checkpointd.write.preemption import PreemptionWatch
+
+        self._check_usable()
+        if self._preemption is not None:
+            self._preemption.remove()
+        self._preemption = PreemptionWatch(signals)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a watched preemption signal arrived (False when not watching)."""
+        return self._preemption is not None and self._preemption.triggered
+
+    def save_if_preempted(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
+        """If ``preempted``: save ``step`` (``save``'s keywords) and wait until every
+        save is durable, then return True; else return False at once.
+
+        Saves once per writer: later calls return True without saving again. A
+        second signal during the save only sets the flag again, so the save
+        completes (or, if the process is killed, nothing of it is published).
+        Call from the training thread at a step boundary. With many ranks it is
+        a collective (one small all_reduce on the default group, only while
+        watching): if any rank was signalled, every rank saves this step.
+        """
+        if self._preemption is None:
+            return False
+        preempted = self.preempted
+        if self._ranks is not None and not self._preemption_saved:
+            from checkpointd.write.preemption import any_rank
+
+            preempted = any_rank(preempted)
+        if not preempted and not self._preemption_saved:
+            return False
+        if not self._preemption_saved:
+            self._preemption_saved = True
+            self.save(step, state, **kwargs)
+        self.wait()
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is resolved; raise the first error not yet seen.
+
+        Raises CheckpointTimeoutError (a TimeoutError) if saves are still running
+        after ``timeout`` seconds; they go on in the background.
+        """
+        if self._inherited:
+            self._check_usable()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for handle in list(self._pending):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle._done.wait(remaining):
+                raise CheckpointTimeoutError(f"saves still running after {timeout}s")
+        self._pending.clear()
+        self._service.failures.raise_first()
+
+    def close(self) -> None:
+        """Wait for pending saves, stop the service, then raise an error not yet seen.
+
+        Does nothing in a process that inherited the writer through fork.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._inherited:
+            return
+        if self._preemption is not None:
+            self._preemption.remove()
+        if self._stager is not None:
+            self._stager.close()  # staging goes on; the loop's close waits for it
+        self._finalizer.detach()
+        self._loop.close()
+        self._pending.clear()
+        self._service.failures.raise_first()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.close()
+        except CheckpointError:
+            if exc is None:
+                raise  # otherwise the body's exception is the one to report
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint under this writer's root, ascending by step."""
+        return self._list()
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        components: Iterable[str] | None = None,
+        map_location: str | torch.device | None = None,
+        verify: bool = True,
+    ) -> Checkpoint:
+        """``checkpointd.load`` on this writer's root and storage options."""
+        return self._load(step, components, map_location, verify)
+
+    def restore(
+        self, targets: Mapping[str, Any], step: int | None = None, *, strict: bool = True
+    ) -> RestoreInfo:
+        """``checkpointd.restore`` on this writer's root and storage options."""
+        return self._restore(targets, step, strict)
+
+
+class AsyncCheckpointWriter(WriterBase):
+    """Saves checkpoints in the background from async training code (asyncio or trio).
+
+    Use with ``async with``; the write service runs as a task in the caller's loop
+    and its blocking I/O in worker threads. Call ``save``/``wait`` from that loop.
+    ``list_checkpoints``, ``load`` and ``restore`` are coroutines too: they run the
+    blocking reads (and ``restore``'s ``load_state_dict`` calls) in a worker thread.
+    In a process that inherited the writer through fork, ``save``/``wait`` raise
+    WriterClosedError and ``aclose`` does nothing.
+    """
+
+    _group: TaskGroup | None = None
+
+    async def __aenter__(self) -> AsyncCheckpointWriter:
+        if self.background_niceness:
+            raise InvalidArgumentError(
+                "background_niceness is for CheckpointWriter: these threads are your loop's"
+            )
+        self._check_usable()
+        if self._group is not None:
+            raise WriterClosedError("an AsyncCheckpointWriter can be entered once")
+        try:
+            self._service.newest = await anyio.to_thread.run_sync(newest_committed, self._store)
+        except BaseException:
+            self._closed = True
+            self._service.close_store()
+            raise
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._group = group
+        await group.start(self._service.run)
+        return self
+
+    async def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        specs: Mapping[str, Any] | None = None,
+        associations: Mapping[str, str] | None = None,
+    ) -> SaveHandle:
+        """Snapshot ``state`` for ``step`` (on the loop's thread) and write it in the background.
+
+        Returns once the snapshot is taken; see ``CheckpointWriter.save``.
+        """
+        started = time.perf_counter()
+        if self._group is None and not self._closed and not self._inherited:
+            raise WriterClosedError("use the writer inside 'async with'")
+        with self._attempt(step) as attempt:
+            plain = self._before_save(step, metrics, metadata)
+            recorded = self._record_specs(step, state, specs, associations)
+            if self._stager is not None:  # the previous save's copy: waited for off the loop
+                await anyio.to_thread.run_sync(self._stager.wait)
+            buffer = await self._service.acquire_buffer()
+            try:
+                snapshot, staging = self._snapshot(
+                    step, state, buffer, plain, recorded, attempt=attempt
+                )
+            except BaseException:
+                self._service.release_buffer(buffer)
+                raise
+            handle = self._handle(step, started, anyio.Event(), staging)
+            await self._service.submit(snapshot, handle)
+        handle.blocked_seconds = time.perf_counter() - started
+        return handle
+
+    async def wait_staged(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Wait until the latest save's state is all in host memory; see
+        ``CheckpointWriter.wait_staged``."""
+        self._check_usable()
+        stager = self._stager
+        if stager is not None and not await anyio.to_thread.run_sync(stager.wait, timeout):
+            raise CheckpointTimeoutError(f"the latest save still staging after {timeout}s")
+
+    async def _drain(self) -> None:
+        for handle in list(self._pending):
+            if not handle.done():
+                assert handle._event is not None
+                await handle._event.wait()
+        self._pending.clear()
+
+    async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API
+        """Wait until every pending save is resolved; raise the first error not yet seen.
+
+        Raises CheckpointTimeoutError (a TimeoutError, as the sync writer) if saves
+        are still running after ``timeout`` seconds; they go on in the background.
+        """
+        if self._inherited:
+            self._check_usable()
+        try:
+            with anyio.fail_after(timeout):
+                await self._drain()
+        except TimeoutError:
+            raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
+        self._service.failures.raise_first()
+
+    async def aclose(self) -> None:
+        """Wait for pending saves, stop the service, then raise an error not yet seen."""
+        if self._closed or self._group is None or self._inherited:
+            self._closed = True
+            return
+        self._closed = True
+        if self._stager is not None:
+            self._stager.close()
+        group, self._group = self._group, None
+        try:
+            await self._drain()
+        finally:
+            await self._service.stop()
+            await group.__aexit__(None, None, None)
+            self._service.close_store()
+        self._service.failures.raise_first()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        except CheckpointError:
+            if exc is None:
+                raise
+
+    async def list_checkpoints(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint under this writer's root, ascending by step."""
+        return await anyio.to_thread.run_sync(self._list)
+
+    async def load(
+        self,
+        step: int | None = None,
+        *,
+        components: Iterable[str] | None = None,
+        map_location: str | torch.device | None = None,
+        verify: bool = True,
+    ) -> Checkpoint:
+        """``checkpointd.load`` on this writer's root and storage options (in a worker thread)."""
+        return await anyio.to_thread.run_sync(self._load, step, components, map_location, verify)
+
+    async def restore(
+        self, targets: Mapping[str, Any], step: int | None = None, *, strict: bool = True
+    ) -> RestoreInfo:
+        """``checkpointd.restore`` on this writer's root and storage options (in a worker
+        thread; nothing else may use ``targets`` until it returns)."""
+        return await anyio.to_thread.run_sync(self._restore, targets, step, strict)
