@@ -28,7 +28,7 @@ from checkpointd.format.layout import (
 from checkpointd.read.catalog import read_manifest
 from checkpointd.write.capture import CapturedComponent, StagingBuffer
 from checkpointd.write.loop import WriteService
-from checkpointd.write.plan import Snapshot, plan_snapshot
+from checkpointd.write.plan import Snapshot, WriteFile, plan_snapshot
 
 from . import protocol as p
 from .memtier import HeldCheckpoint
@@ -133,7 +133,7 @@ def held_checkpoint(
     manifest_bytes = store.read_bytes(f"{step_dirname(step)}/{MANIFEST_NAME}")
     manifest = read_manifest(store, step)
     token = "m"
-    planned = {f.name: f for f in plan_snapshot(snapshot, token).files}
+    planned = {f.name: f for f in plan_snapshot(snapshot, token).files if isinstance(f, WriteFile)}
     offsets = {c.name: c.offset for c in snapshot.components}
     files: list[p.HeldFile] = []
     for name, entry in manifest.components.items():

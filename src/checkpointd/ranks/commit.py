@@ -8,8 +8,9 @@ threads. The attempt's keys and its one outcome are rankattempt.py's:
    JOIN_SECONDS while alive did not join the save (``if rank == 0: save()``).
    Replicated components must agree on every rank; a mismatch abandons the save
    naming the component and the ranks.
-2. The files are spread over the ranks by size; each rank streams and commits
-   its own (the single-process commit protocol), then posts ``files/{rank}``.
+2. Each rank makes durable the items the plan assigns it (plan.assign_ranks
+   spreads the replicated ones by size) with the single-process commit's
+   ``write_files``, then posts ``files/{rank}`` (its file and blob entries).
 3. The publisher waits for every rank's files, posts the manifest, wins the
    ``committed`` outcome, publishes and posts ``published``; the others wait
    for the outcome, and for ``published`` (publishing the posted manifest
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
 
 import anyio
 import anyio.to_thread
@@ -34,7 +34,7 @@ from checkpointd.errors import CheckpointExistsError, RankFailedError
 from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import (
-    CheckpointInfo,
+    BlobEntry,
     ComponentEntry,
     FileEntry,
     Manifest,
@@ -53,7 +53,7 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
-from checkpointd.read.catalog import read_manifest, step_path
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import FileSink, Store
 from checkpointd.write.commit import (
     clean_up,
@@ -65,17 +65,18 @@ from checkpointd.write.commit import (
     write_files,
 )
 from checkpointd.write.handle import first_leaf
-from checkpointd.write.plan import PlannedFile, SavePlan, WriteFile
+from checkpointd.write.plan import SavePlan, WriteFile
 
-__all__ = ["assign_ranks", "commit_ranked", "component_digests"]
+__all__ = ["commit_ranked", "component_digests"]
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
     """Per replicated component, [CRC32C, size] of the bytes of all its files, in plan
-    order (per-rank components are not compared). Any thread."""
+    order, and of the blobs its tensors refer to (by name: the name is their digest);
+    per-rank components and shards are not compared. Any thread."""
     digests: dict[str, list[int]] = {}
     for file in plan.files:
-        if file.component in plan.per_rank or file.own:
+        if not isinstance(file, WriteFile):
             continue
         digest, size = digests.get(file.component, [0, 0])
         for part in file.parts:
@@ -83,27 +84,11 @@ def component_digests(plan: SavePlan) -> dict[str, list[int]]:
             digest = crc32c(view, digest)
             size += view.nbytes
         digests[file.component] = [digest, size]
+    for name, entry in plan.components.items():
+        if entry.refs and name not in plan.per_rank:
+            digest, size = digests.get(name, [0, 0])
+            digests[name] = [crc32c(msgspec.json.encode(entry.refs), digest), size]
     return digests
-
-
-def assign_ranks(
-    files: list[PlannedFile], world_size: int, rank: int, per_rank: Mapping[str, str]
-) -> list[WriteFile]:
-    """``files`` with each one's writing rank: a per-rank component's and this rank's
-    shard files to ``rank``; the replicated ones largest first to the least-loaded rank
-    (lowest rank on ties), so every rank writes about the same number of bytes, the
-    same on every rank."""
-    loads = [0] * world_size
-    ranked: dict[str, WriteFile] = {}
-    for file in files:
-        if file.component in per_rank or file.own:
-            ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank, own=True)
-    shared = [f for f in files if f.component not in per_rank and not f.own]
-    for file in sorted(shared, key=lambda f: (-f.size, f.name)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[rank] += file.size
-        ranked[file.name] = WriteFile(file.name, file.parts, file.component, rank)
-    return [ranked[f.name] for f in files]
 
 
 def _mismatch(posted: dict[int, dict[str, list[int]]]) -> str | None:
@@ -135,6 +120,8 @@ class _Share(msgspec.Struct, frozen=True):
     per_rank: dict[str, str]
     sharded: dict[str, dict[str, ShardedTensor]] = msgspec.field(default_factory=dict)
     """Per replicated component, its sharded tensors with the shards this rank wrote."""
+    blobs: list[BlobEntry] = msgspec.field(default_factory=list)
+    """The shared blobs this rank wrote or checked (incremental saves)."""
 
 
 async def commit_ranked(
@@ -145,9 +132,9 @@ async def commit_ranked(
     number: int,
     *,
     identity: WriterIdentity | None = None,
-) -> CheckpointInfo:
+) -> Manifest:
     """This rank's part of the collective commit of ``plan`` (attempt ``number`` at its
-    step); returns the CheckpointInfo once the manifest is published.
+    step); returns the manifest once it is published.
 
     Raises RankFailedError if the attempt was abandoned (another rank failed, died or
     did not join, or replicas differ); this rank's own error if it failed here (after
@@ -184,8 +171,8 @@ async def commit_ranked(
             raise leaf from None
         raise
     if group.publishes:
-        return await finish_commit(store, manifest, limiter, identity=identity)
-    return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
+        await finish_commit(store, manifest, limiter, identity=identity)
+    return manifest
 
 
 async def _may_remove(attempt: Attempt, error: BaseException) -> bool:
@@ -218,16 +205,18 @@ async def _write_share(
     group = attempt.group
     attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.outcome))
     await open_step(store, plan.step, limiter)
-    assigned = assign_ranks(plan.files, group.world_size, group.rank, plan.per_rank)
-    mine = [f for f in assigned if f.rank == group.rank]
-    await write_files(store, plan.step, mine, limiter, streamed=streamed, committed=committed)
+    blobs: dict[str, BlobEntry] = {}
+    mine = plan.mine(group.rank)
+    await write_files(
+        store, plan.step, mine, limiter, streamed=streamed, committed=committed, blobs=blobs
+    )
     own = {key: plan.components[key] for key in plan.per_rank}
     sharded = {
         name: entry.sharded
         for name, entry in plan.components.items()
         if entry.sharded and name not in plan.per_rank
     }
-    share = _Share(committed, own, plan.per_rank, sharded)
+    share = _Share(committed, own, plan.per_rank, sharded, list(blobs.values()))
     await anyio.to_thread.run_sync(attempt.post, "files", share)
 
 
@@ -344,6 +333,11 @@ def _merged_manifest(
     """The one manifest of a many-rank save: every rank's files and per-rank components,
     sharded tensors merged (RankFailedError unless their shards tile them)."""
     files = [entry for share in shares for entry in share.files]
+    blobs: dict[str, BlobEntry] = {}
+    for share in shares:  # a blob two ranks hold (a shard equal to a replica) is listed once
+        for blob in share.blobs:
+            if blob.name not in blobs or blob.written:
+                blobs[blob.name] = blob
     components = {
         name: _merge_shards(plan.step, name, entry, shares)
         for name, entry in plan.components.items()
@@ -357,6 +351,7 @@ def _merged_manifest(
     return manifest_of(
         plan,
         files,
+        blobs.values(),
         identity=identity,
         components=components,
         world_size=world_size,

@@ -1,12 +1,16 @@
 """How a planned save becomes durable: the commit protocol.
 
 Runs on the writer's event loop; blocking storage calls go to worker threads.
-It knows files, not components: the plan (plan.py) says what to write.
-Order: create the step folder; write every planned file concurrently
-(bounded), each under a name unique to this attempt, to a temporary name or
-an uncommitted upload, computing CRC32C as the bytes go out, then commit it
-(fsync + rename, or complete the upload); fsync the folder; publish the
-manifest exclusively. Only then is the checkpoint visible. The exclusive
+It knows files and blobs, not components: the plan (plan.py) says what to write,
+and this is the one way any save's items become durable (ranks/commit.py runs
+the same steps on each rank for its share). Order: create the step folder;
+write every planned file concurrently (bounded), each under a name unique to
+this attempt, to a temporary name or an uncommitted upload, computing CRC32C as
+the bytes go out, and every new shared blob (incremental saves: temporary
+name, fsync, rename); check every blob the manifest will list is still stored
+(writing back one a deletion raced, from the snapshot); fsync the blob folder;
+commit each file (fsync + rename, or complete the upload); fsync the folder;
+publish the manifest exclusively. Only then is the checkpoint visible. The exclusive
 publish alone decides between attempts at the same step: no lock, so nothing
 a dead writer left can block a live one. On any failure (losing the publish
 included) every file this attempt wrote is removed and nothing is published;
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -27,10 +31,11 @@ import anyio.to_thread
 
 from checkpointd import tunables
 from checkpointd._version import __version__
-from checkpointd.errors import CheckpointExistsError, CheckpointNotFoundError
+from checkpointd.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from checkpointd.format.checksum import crc32c
-from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.layout import BLOBS_DIR, MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import (
+    BlobEntry,
     CheckpointInfo,
     ComponentEntry,
     FileEntry,
@@ -38,24 +43,35 @@ from checkpointd.format.manifest import (
     encode_manifest,
     schema_for,
 )
+from checkpointd.maintain.blobs import blob_stored, write_blob
 from checkpointd.maintain.cleanup import remove_leftovers, unreferenced_files
 from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
-from checkpointd.write.plan import SavePlan, WriteFile
+from checkpointd.write.plan import (
+    KeepBlob,
+    PlannedFile,
+    RankFile,
+    SavePlan,
+    WriteBlob,
+    WriteFile,
+)
 
 __all__ = [
     "clean_up",
     "commit_plan",
     "finish_commit",
     "in_thread",
+    "info_of",
     "manifest_of",
     "open_step",
     "publish_manifest",
+    "publish_plan",
     "write_files",
 ]
 
 T = TypeVar("T")
+StepFile = WriteFile | RankFile
 
 
 async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
@@ -63,7 +79,7 @@ async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
-def _stream_file(store: Store, folder: str, file: WriteFile) -> tuple[FileSink, FileEntry]:
+def _stream_file(store: Store, folder: str, file: StepFile) -> tuple[FileSink, FileEntry]:
     """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go.
     Worker thread."""
     sink = store.open_file(f"{folder}/{file.name}", size=file.size)
@@ -93,6 +109,28 @@ def _commit_file(sink: FileSink) -> None:
         raise
 
 
+def _write_blob(store: Store, blob: WriteBlob | KeepBlob) -> BlobEntry:
+    """Write ``blob``'s bytes to ``blobs/NAME`` durably. Worker thread."""
+    assert blob.parts is not None
+    parts = [memoryview(part).cast("B") for part in blob.parts]
+    data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+    return write_blob(store, blob.name, data)
+
+
+def _check_blob(store: Store, blob: WriteBlob | KeepBlob, entry: BlobEntry) -> BlobEntry:
+    """``entry`` if blob ``blob`` is stored with its size; else write it again from the
+    snapshot's copy (same bytes, same name; a deletion in another process raced this
+    save), or raise CheckpointError if the snapshot holds none. Worker thread."""
+    if blob_stored(store, entry):
+        return entry
+    if blob.parts is None:  # only referenced by tensors capture did not copy
+        raise CheckpointError(
+            f"blob {entry.name} vanished before the publish and this save holds no "
+            "copy of its bytes; nothing was published, the next save writes it"
+        )
+    return _write_blob(store, blob)
+
+
 async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> None:
     """Create the step folder; CheckpointExistsError if the step is already committed.
 
@@ -106,29 +144,57 @@ async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> 
 async def write_files(
     store: Store,
     step: int,
-    files: Sequence[WriteFile],
+    files: Sequence[PlannedFile],
     limiter: anyio.CapacityLimiter,
     *,
     streamed: list[tuple[FileSink, FileEntry]],
     committed: list[FileEntry],
+    blobs: dict[str, BlobEntry] | None = None,
 ) -> None:
-    """Stream every file (bounded by ``limiter``), then commit each and sync the folder.
+    """Make ``files`` durable (one rank's share of a plan), bounded by ``limiter``: stream
+    every step file and write every new blob; check that every blob listed (written or
+    kept) is stored, writing back one that vanished; sync the blob folder; then commit
+    each step file and sync the step folder.
 
-    ``streamed`` and ``committed`` collect what was written, so the caller can clean
-    up if this raises. Nothing is committed until every file has streamed. Event loop."""
+    ``streamed`` and ``committed`` collect the step files written, so the caller can
+    clean up if this raises (blobs stay: gc removes those no manifest lists); ``blobs``
+    collects the entries of the blobs, for the manifest. Nothing of the step folder is
+    committed until every file has streamed and every blob is stored. Event loop."""
     folder = step_dirname(step)
+    blobs = {} if blobs is None else blobs
+    steps = [f for f in files if isinstance(f, WriteFile | RankFile)]
+    shared = [f for f in files if isinstance(f, WriteBlob | KeepBlob)]
+    if shared:
+        await in_thread(limiter, store.make_dir, BLOBS_DIR)
 
-    async def stream(file: WriteFile) -> None:
+    async def stream(file: StepFile) -> None:
         streamed.append(await in_thread(limiter, _stream_file, store, folder, file))
+
+    async def write(blob: WriteBlob) -> None:
+        blobs[blob.name] = await in_thread(limiter, _write_blob, store, blob)
+
+    async def check(blob: WriteBlob | KeepBlob) -> None:
+        entry = blobs.get(blob.name, blob.entry if isinstance(blob, KeepBlob) else None)
+        assert entry is not None
+        blobs[blob.name] = await in_thread(limiter, _check_blob, store, blob, entry)
 
     async def commit(sink: FileSink, entry: FileEntry) -> None:
         await in_thread(limiter, _commit_file, sink)
         streamed.remove((sink, entry))
         committed.append(entry)
 
+    unique = list({blob.name: blob for blob in shared}.values())
     async with anyio.create_task_group() as group:
-        for file in files:
+        for file in steps:
             group.start_soon(stream, file)
+        for blob in unique:
+            if isinstance(blob, WriteBlob):
+                group.start_soon(write, blob)
+    if unique:
+        async with anyio.create_task_group() as group:
+            for blob in unique:
+                group.start_soon(check, blob)
+        await in_thread(limiter, store.sync_dir, BLOBS_DIR)
     async with anyio.create_task_group() as group:
         for sink, entry in list(streamed):
             group.start_soon(commit, sink, entry)
@@ -157,34 +223,57 @@ async def commit_plan(
     *,
     identity: WriterIdentity | None = None,
 ) -> CheckpointInfo:
-    """Write, commit and publish ``plan``; return its CheckpointInfo once it is durable.
+    """``publish_plan``, returning the CheckpointInfo of the committed checkpoint."""
+    return info_of(store, await publish_plan(store, plan, limiter, identity=identity))
+
+
+async def publish_plan(
+    store: Store,
+    plan: SavePlan,
+    limiter: anyio.CapacityLimiter,
+    *,
+    identity: WriterIdentity | None = None,
+) -> Manifest:
+    """Write, commit and publish ``plan`` (this process saves alone); return the
+    manifest once it is durable.
 
     Every file has a name unique to this attempt (the plan's token), so
     concurrent or dead attempts at the same step never touch each other's files;
     the exclusive publish of the manifest alone decides which attempt is the
     checkpoint. Raises CheckpointExistsError if the step is already committed
     (before writing anything) or another writer publishes it first (after
-    removing this attempt's files); StorageError on I/O failure. ``identity``
-    (the writer's) is recorded in the manifest and told of the commit.
+    removing this attempt's files); StorageError on I/O failure; CheckpointError if
+    a kept blob vanished and the snapshot holds no copy. ``identity`` (the
+    writer's) is recorded in the manifest and told of the commit.
     """
     step = plan.step
     await open_step(store, step, limiter)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
+    blobs: dict[str, BlobEntry] = {}
     try:
-        await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
-        manifest = manifest_of(plan, committed, identity=identity)
+        await write_files(
+            store, step, plan.files, limiter, streamed=streamed, committed=committed, blobs=blobs
+        )
+        manifest = manifest_of(plan, committed, blobs.values(), identity=identity)
         await publish_manifest(store, manifest, limiter)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await in_thread(limiter, clean_up, store, step, streamed, committed)
         raise
-    return await finish_commit(store, manifest, limiter, identity=identity)
+    await finish_commit(store, manifest, limiter, identity=identity)
+    return manifest
+
+
+def info_of(store: Store, manifest: Manifest) -> CheckpointInfo:
+    """The CheckpointInfo of the checkpoint ``manifest`` committed in ``store``."""
+    return CheckpointInfo.from_manifest(manifest, step_path(store, manifest.step))
 
 
 def manifest_of(
     plan: SavePlan,
     files: Sequence[FileEntry],
+    blobs: Iterable[BlobEntry] = (),
     *,
     identity: WriterIdentity | None,
     components: Mapping[str, ComponentEntry] | None = None,
@@ -192,11 +281,13 @@ def manifest_of(
     per_rank: Mapping[str, list[str]] | None = None,
 ) -> Manifest:
     """The manifest that commits ``plan`` once ``files`` are durable: the one way a save
-    makes its manifest. ``components`` (default the plan's), ``world_size`` and
-    ``per_rank`` are a many-rank save's merged ones. Any thread."""
+    makes its manifest. ``blobs``: the entries of the shared blobs it uses, each once.
+    ``components`` (default the plan's), ``world_size`` and ``per_rank`` are a many-rank
+    save's merged ones. Any thread."""
     components = plan.components if components is None else components
+    listed = sorted(blobs, key=lambda b: b.name)
     return Manifest(
-        schema_version=schema_for(components, plan.blobs),
+        schema_version=schema_for(components, listed),
         step=plan.step,
         created_at=plan.created_at,
         library_version=__version__,
@@ -209,7 +300,7 @@ def manifest_of(
         specs=plan.specs,
         writer="" if identity is None else identity.id,
         lineage="" if identity is None else identity.lineage,
-        blobs=plan.blobs,
+        blobs=listed,
     )
 
 
@@ -219,15 +310,14 @@ async def finish_commit(
     limiter: anyio.CapacityLimiter,
     *,
     identity: WriterIdentity | None,
-) -> CheckpointInfo:
-    """After this writer published ``manifest``: tell ``identity``, sweep what earlier
-    (dead) attempts left in the step's folder, and return the CheckpointInfo. Event loop."""
+) -> None:
+    """After this writer published ``manifest``: tell ``identity`` and sweep what earlier
+    (dead) attempts left in the step's folder. Event loop."""
     if identity is not None:
         identity.note_commit(time.monotonic())
     listed = [f.path for f in manifest.files]
     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
         await in_thread(limiter, _sweep, store, step_dirname(manifest.step), listed)
-    return CheckpointInfo.from_manifest(manifest, step_path(store, manifest.step))
 
 
 def _sweep(store: Store, folder: str, listed: list[str]) -> None:

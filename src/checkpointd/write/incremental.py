@@ -1,13 +1,14 @@
 """Incremental saves: write each distinct large tensor once, reference it afterwards.
 
-``IncrementalSaver`` belongs to one single-process writer and runs on its event
-loop, one save at a time. Per save: pin the blobs of the writer's previous
-committed checkpoint (shared.write_pin); hash each large tensor of the snapshot
-in a worker thread (digest.py); reference the blob of a tensor whose hash names
-one of those blobs, write every other to ``blobs/NAME``; check that every
-blob it lists is still stored (and write it again from the snapshot if not);
-then commit the step's own files and manifest as any save (commit.commit_plan)
-and drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
+``IncrementalSaver`` belongs to one writer (of one process, or of one rank of a
+group that saves together) and runs on its event loop, one save at a time. Per
+save: pin the blobs of the writer's previous committed checkpoint
+(maintain/blobs.write_pin); hash each large tensor of the snapshot in a worker
+thread (format/digest.py); choose to reference the blob of a tensor whose hash
+names one of those blobs and to write every other to ``blobs/NAME``; plan the
+save with those choices (plan.plan_snapshot) and make it durable like any save
+(the writer's commit, which writes the new blobs and checks that every blob it
+lists is still stored before the publish); then drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
 step's tensor file. docs/format.md ("Shared tensor data") is the spec.
 
 A tensor that the last save found unchanged (a frozen base weight) is hashed on
@@ -27,31 +28,28 @@ relied-on blobs the new manifest does not list, so no deletion of this writer
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 import msgspec
 import torch
 
 from checkpointd import tunables
 from checkpointd.errors import CheckpointError, StorageError
-from checkpointd.format.codec import encode_tree
 from checkpointd.format.digest import blob_name
-from checkpointd.format.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
-from checkpointd.format.layout import BLOBS_DIR, HEADER_ALIGN, tensor_file_name, tree_file_name
-from checkpointd.format.manifest import BlobEntry, BlobRef, CheckpointInfo, ComponentEntry
-from checkpointd.maintain.blobs import blob_stored, newest_blobs, remove_pin, write_blob, write_pin
-from checkpointd.maintain.retention import WriterIdentity
+from checkpointd.format.header import DTYPE_CODES, TensorEntry
+from checkpointd.format.manifest import BlobEntry, BlobRef, Manifest
+from checkpointd.maintain.blobs import blob_stored, newest_blobs, remove_pin, write_pin
 from checkpointd.storage import Store
 from checkpointd.write.capture import CapturedComponent
-from checkpointd.write.commit import commit_plan, in_thread, open_step
-from checkpointd.write.plan import PlannedFile, SavePlan, Snapshot, WriteFile, plan_shards
+from checkpointd.write.commit import in_thread, open_step
+from checkpointd.write.plan import Blobs, SavePlan, Snapshot, plan_snapshot
 
 __all__ = ["CaptureHold", "IncrementalSaver", "SaveStats"]
 
@@ -72,15 +70,8 @@ class SaveStats:
     """Tensors found unchanged at capture (hashed on the caller's thread, never copied)."""
 
 
-@dataclass(slots=True)
-class _Blobs:
-    """The blobs of one save being planned: what each tensor refers to, and the entries."""
-
-    previous: dict[str, BlobEntry]
-    refs: dict[str, dict[str, BlobRef]] = field(default_factory=dict)
-    used: dict[str, BlobEntry] = field(default_factory=dict)
-    views: dict[str, memoryview] = field(default_factory=dict)
-    claimed: set[str] = field(default_factory=set)
+Durable = Callable[[SavePlan], Awaitable[Manifest]]
+"""Makes a plan durable and returns the manifest published (the writer's commit)."""
 
 
 class CaptureHold:
@@ -171,65 +162,74 @@ class IncrementalSaver:
         self,
         snapshot: Snapshot,
         limiter: anyio.CapacityLimiter,
+        durable: Durable,
         *,
-        identity: WriterIdentity | None = None,
-    ) -> CheckpointInfo:
-        """Write ``snapshot`` referencing unchanged tensors; return its CheckpointInfo once
-        durable. Raises as ``commit.commit_plan``. Event loop."""
+        token: str | None = None,
+        world_size: int = 1,
+    ) -> Manifest:
+        """Save ``snapshot`` referencing unchanged tensors: pin, hash, plan
+        (plan.plan_snapshot with the blobs chosen), make the plan durable with ``durable``
+        (the writer's commit: alone, or this rank's part of a group's) and return the
+        published manifest. ``token`` names the attempt (random if None); ``world_size``
+        ranks save it together. Raises as the commit. Event loop."""
         store = self.store
         relied = [blob for c in snapshot.components for blob in c.blobs.values()]
+        alone = world_size == 1
+        token = secrets.token_hex(4) if token is None else token
         try:
             if self.previous is None:
                 self.previous = await in_thread(limiter, newest_blobs, store)
-            token = secrets.token_hex(4)
-            await open_step(store, snapshot.step, limiter)
+            if alone:  # with many ranks the collective commit checks it, on every rank
+                await open_step(store, snapshot.step, limiter)
             pinned = set(self.previous) | set(relied)
-            pin = await in_thread(limiter, write_pin, store, snapshot.step, token, pinned)
+            name = token if alone else f"{token}r{snapshot.rank}"
+            pin = await in_thread(limiter, write_pin, store, snapshot.step, name, pinned)
         except BaseException:
             self._reset()
             raise
         finally:
             self.release(relied)  # this save's pin (if any) names them now
         try:
-            blobs = _Blobs(dict(self.previous))
-            await in_thread(limiter, store.make_dir, BLOBS_DIR)
-            prehashed = await self._prehashed(snapshot, blobs, limiter)
+            chosen = Blobs()
+            prehashed = await self._prehashed(snapshot, chosen, limiter)
             async with anyio.create_task_group() as group:
                 for component in snapshot.components:
                     for entry in _large(component):
                         if entry.name in component.blobs:
                             continue
                         view = snapshot.buffer.view(component.offset + entry.begin, _size(entry))
-                        group.start_soon(self._blob, blobs, component.name, entry, view, limiter)
-            stats = await self._check_stored(blobs, limiter)
-            stats.prehashed = prehashed
-            await in_thread(limiter, store.sync_dir, BLOBS_DIR)
-            plan = await in_thread(limiter, _plan, snapshot, token, blobs)
-            info = await commit_plan(store, plan, limiter, identity=identity)
+                        group.start_soon(self._choose, chosen, component.name, entry, view, limiter)
+            plan = await in_thread(
+                limiter,
+                functools.partial(
+                    plan_snapshot, snapshot, token, world_size=world_size, blobs=chosen
+                ),
+            )
+            manifest = await durable(plan)
         except BaseException:
             self._reset()  # the next save copies everything: it trusts nothing of this one
             with anyio.CancelScope(shield=True):
                 await in_thread(limiter, remove_pin, store, pin)
             raise
+        listed = {entry.name: entry for entry in manifest.blobs}
         self.previous = {
-            name: msgspec.structs.replace(entry, written=False)
-            for name, entry in blobs.used.items()
+            name: msgspec.structs.replace(entry, written=False) for name, entry in listed.items()
         }
         with self._lock:
             self.unchanged = {
                 (component, tensor): ref
-                for component, refs in blobs.refs.items()
+                for component, refs in chosen.refs.items()
                 for tensor, ref in refs.items()
-                if not blobs.used[ref.blob].written
+                if ref.blob in listed and not listed[ref.blob].written
             }
-            bridged = {name for name in self._relied if name not in blobs.used}
+            bridged = {name for name in self._relied if name not in listed}
         with anyio.CancelScope(shield=True):
             try:
                 await in_thread(limiter, self._rebridge, snapshot.step, bridged)
             finally:
                 await in_thread(limiter, remove_pin, store, pin)
-        self.stats = stats
-        return info
+        self.stats = _stats(manifest, chosen, prehashed)
+        return manifest
 
     def _reset(self) -> None:
         with self._lock:
@@ -250,12 +250,13 @@ class IncrementalSaver:
             remove_pin(self.store, old)
 
     async def _prehashed(
-        self, snapshot: Snapshot, blobs: _Blobs, limiter: anyio.CapacityLimiter
+        self, snapshot: Snapshot, chosen: Blobs, limiter: anyio.CapacityLimiter
     ) -> int:
         """Reference the tensors capture found unchanged (``component.blobs``): their bytes
         were never copied, so their blobs must be stored already (listed by a committed
         checkpoint and pinned since, and still on storage); raises CheckpointError if one
-        is not. Event loop."""
+        is not. Returns how many. Event loop."""
+        assert self.previous is not None
         count = 0
         for component in snapshot.components:
             for entry in component.entries:
@@ -263,7 +264,7 @@ class IncrementalSaver:
                 if name is None:
                     continue
                 # listed by the previous checkpoint, or by an older one and kept by a pin
-                known = blobs.previous.get(name) or BlobEntry(name, _size(entry))
+                known = self.previous.get(name) or BlobEntry(name, _size(entry))
                 if not await in_thread(limiter, blob_stored, self.store, known):
                     raise CheckpointError(
                         f"the save of step {snapshot.step} failed: blob {name} of unchanged "
@@ -272,65 +273,51 @@ class IncrementalSaver:
                         "and writes every tensor"
                     )
                 ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
-                blobs.refs.setdefault(component.name, {})[entry.name] = ref
-                blobs.claimed.add(name)
-                blobs.used[name] = msgspec.structs.replace(known, written=False)
+                chosen.refs.setdefault(component.name, {})[entry.name] = ref
+                chosen.kept.setdefault(name, (msgspec.structs.replace(known, written=False), None))
                 count += 1
         return count
 
-    async def _blob(
+    async def _choose(
         self,
-        blobs: _Blobs,
+        chosen: Blobs,
         component: str,
         entry: TensorEntry,
         view: memoryview,
         limiter: anyio.CapacityLimiter,
     ) -> None:
-        """Hash one large tensor, then reference its blob or write it. Event loop."""
+        """Hash one large tensor; keep its blob if the previous checkpoint stored those
+        bytes, else plan to write it. Event loop."""
+        assert self.previous is not None
         name = await in_thread(limiter, blob_name, view)
         ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
-        blobs.refs.setdefault(component, {})[entry.name] = ref
-        blobs.views.setdefault(name, view)
-        if name in blobs.claimed:
-            return  # the same bytes twice in this save: written (or referenced) once
-        blobs.claimed.add(name)
-        known = blobs.previous.get(name)
-        if known is not None and known.size == len(view):
-            blobs.used[name] = msgspec.structs.replace(known, written=False)
+        chosen.refs.setdefault(component, {})[entry.name] = ref
+        if name in chosen.new:
+            return  # the same bytes twice in this save: written once
+        if name in chosen.kept:
+            kept, copy = chosen.kept[name]
+            if copy is None:  # a copy to write it back from, should it vanish
+                chosen.kept[name] = (kept, view)
             return
-        blobs.used[name] = await in_thread(limiter, write_blob, self.store, name, view)
+        known = self.previous.get(name)
+        if known is not None and known.size == len(view):
+            chosen.kept[name] = (msgspec.structs.replace(known, written=False), view)
+        else:
+            chosen.new[name] = view
 
-    async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
-        """Make sure every blob the manifest will list is stored, referenced ones and ones
-        just written (a deletion in another process may have raced this save); write
-        back any that is not, from the snapshot (same bytes, same name). Event loop."""
-        stats = SaveStats()
 
-        async def check(entry: BlobEntry) -> None:
-            if await in_thread(limiter, blob_stored, self.store, entry):
-                return
-            view = blobs.views.get(entry.name)
-            if view is None:  # only referenced by tensors capture did not copy
-                raise CheckpointError(
-                    f"blob {entry.name} vanished before the publish and this save holds no "
-                    "copy of its bytes; nothing was published, the next save writes it"
-                )
-            blobs.used[entry.name] = await in_thread(
-                limiter, write_blob, self.store, entry.name, view
-            )
-            stats.repaired += 1
-
-        async with anyio.create_task_group() as group:
-            for entry in list(blobs.used.values()):
-                group.start_soon(check, entry)
-        for entry in blobs.used.values():
-            if entry.written:
-                stats.written += 1
-                stats.written_bytes += entry.size
-            else:
-                stats.referenced += 1
-                stats.referenced_bytes += entry.size
-        return stats
+def _stats(manifest: Manifest, chosen: Blobs, prehashed: int) -> SaveStats:
+    """What the save that published ``manifest`` after choosing ``chosen`` did."""
+    stats = SaveStats(prehashed=prehashed)
+    for entry in manifest.blobs:
+        if entry.written:
+            stats.written += 1
+            stats.written_bytes += entry.size
+            stats.repaired += entry.name in chosen.kept
+        else:
+            stats.referenced += 1
+            stats.referenced_bytes += entry.size
+    return stats
 
 
 def _size(entry: TensorEntry) -> int:
@@ -340,45 +327,3 @@ def _size(entry: TensorEntry) -> int:
 def _large(component: CapturedComponent) -> list[TensorEntry]:
     """The tensors of ``component`` stored as blobs (at least INCREMENTAL_MIN_BYTES)."""
     return [e for e in component.entries if _size(e) >= max(1, tunables.INCREMENTAL_MIN_BYTES)]
-
-
-def _plan(snapshot: Snapshot, token: str, blobs: _Blobs) -> SavePlan:
-    """The step's own files (trees, the small tensors of each component, and this
-    process's shards of its DTensors) plus the blob entries and refs for the manifest.
-    Worker thread (shard blocks are checksummed here)."""
-    files: list[PlannedFile] = []
-    components: dict[str, ComponentEntry] = {}
-    for component in snapshot.components:
-        name = component.name
-        tree = tree_file_name(name, token)
-        files.append(WriteFile(tree, [encode_tree(component.tree)], name))
-        refs = blobs.refs.get(name, {})
-        small: list[TensorEntry] = []
-        parts: list[memoryview] = []
-        position = 0
-        for entry in component.entries:  # kept in order: decreasing element size
-            if entry.name in refs:
-                continue
-            size = _size(entry)
-            small.append(
-                TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size)
-            )
-            parts.append(snapshot.buffer.view(component.offset + entry.begin, size))
-            position += size
-        tensor_files: list[str] = []
-        if small:
-            tensors = tensor_file_name(name, token)
-            tensor_files.append(tensors)
-            header = encode_safetensors_header(small, align=HEADER_ALIGN)
-            files.append(WriteFile(tensors, [header, *parts], name))
-        components[name] = ComponentEntry(
-            tree=tree,
-            tensors=tensor_files,
-            nbytes=component.nbytes,
-            num_tensors=len(component.entries),
-            sharded=plan_shards(component, snapshot, token, files),
-            refs=refs,
-        )
-    return SavePlan.of(
-        snapshot, files, components, sorted(blobs.used.values(), key=lambda b: b.name)
-    )

@@ -7,6 +7,7 @@ when the writer starts, and the deletion of newer steps after a rollback
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Literal
 
@@ -32,9 +33,9 @@ from checkpointd.read import catalog
 from checkpointd.storage import Store
 from checkpointd.write import lifecycle
 from checkpointd.write.capture import StagingBuffer
-from checkpointd.write.commit import commit_plan
+from checkpointd.write.commit import info_of, publish_plan
 from checkpointd.write.handle import Failures, SaveHandle, first_leaf
-from checkpointd.write.plan import Snapshot, plan_snapshot
+from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
@@ -186,19 +187,34 @@ class WriteService:
             handle._resolve(info, None)
 
     async def _commit(self, snapshot: Snapshot, limiter: anyio.CapacityLimiter) -> CheckpointInfo:
-        """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""
+        """Plan and commit one snapshot (incrementally if asked): alone, or as this rank's
+        part of a group's save."""
         group = self.group
-        if group is None and self.incremental is not None:
-            return await self.incremental.commit(snapshot, limiter, identity=self.identity)
-        if group is None:
-            plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
-            return await commit_plan(self.store, plan, limiter, identity=self.identity)
+        token = None if group is None else f"{group.token}{snapshot.attempt}"
+        world_size = 1 if group is None else group.world_size
+        durable = functools.partial(self._durable, limiter=limiter, number=snapshot.attempt)
+        if self.incremental is not None:
+            manifest = await self.incremental.commit(
+                snapshot, limiter, durable, token=token, world_size=world_size
+            )
+        else:
+            plan = await anyio.to_thread.run_sync(
+                functools.partial(plan_snapshot, snapshot, token, world_size=world_size)
+            )
+            manifest = await durable(plan)
+        return info_of(self.store, manifest)
+
+    async def _durable(
+        self, plan: SavePlan, *, limiter: anyio.CapacityLimiter, number: int
+    ) -> Manifest:
+        """Make ``plan`` durable, the one way for every kind of save: commit.publish_plan
+        alone, ranks.commit.commit_ranked (attempt ``number``) with a group."""
+        if self.group is None:
+            return await publish_plan(self.store, plan, limiter, identity=self.identity)
         from checkpointd.ranks.commit import commit_ranked
 
-        token = f"{group.token}{snapshot.attempt}"
-        plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot, token)
         return await commit_ranked(
-            self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
+            self.store, plan, limiter, self.group, number, identity=self.identity
         )
 
     async def acquire_buffer(self) -> StagingBuffer:

@@ -1,33 +1,45 @@
-"""What a save writes: the plan that turns a captured snapshot into files.
+"""What a save writes: the plan that turns a captured snapshot into files and blobs.
 
 The plan knows components, trees and the safetensors layout; the commit
-protocol (commit.py) knows none of that: it streams, commits and publishes
-whatever files a plan lists, and records the plan's component entries in the
-manifest. Made in a worker thread of the writer's event loop (headers, the
-msgpack trees and shard block CRC32Cs are computed here; tensor bytes stay in
-the staging buffer).
+protocol (commit.py, and ranks/commit.py for many ranks) knows none of that: it
+writes, checks and publishes whatever items a plan lists, each by the rank the
+plan names, and records the plan's component entries in the manifest. Made in a
+worker thread of the writer's event loop (headers, the msgpack trees and shard
+block CRC32Cs are computed here; tensor bytes stay in the staging buffer).
 
-Seam for later issues: ``PlannedFile`` is the union of what a manifest entry
-can come from. Today it is only ``WriteFile`` (bytes this process writes now).
-Many ranks add "a file another rank writes" (its ``FileEntry`` arrives from
-that rank before the publish) and incremental saves add "a file already
-stored" (its ``FileEntry`` is copied from an earlier manifest, nothing is
-written); both join the union and ``commit.commit_plan`` gains one branch per
-kind, while ``plan_snapshot`` decides which kind each file is.
+A plan lists ``PlannedFile`` items, a union tagged by ``kind``; every kind says
+which rank makes it durable:
+
+- ``WriteFile`` (``"file"``): a file of the step folder whose bytes every rank
+  holds alike (a replicated component's tree or tensor file; alone: every
+  file). Ranks are assigned by size so each writes about as much.
+- ``RankFile`` (``"rank-file"``): a file of the step folder only its rank holds:
+  that rank's shards of a component's DTensors, or a file of its per-rank
+  component. Never compared between ranks.
+- ``WriteBlob`` (``"blob"``, incremental saves): a shared blob this save writes
+  under ``blobs/``, since no earlier checkpoint stored its bytes.
+- ``KeepBlob`` (``"kept-blob"``, incremental saves): a shared blob an earlier
+  save stored, which the manifest references: nothing is written; the commit
+  checks it is still stored before the publish (writing it again from ``parts``,
+  the snapshot's copy, if it vanished and the snapshot holds one).
+
+``plan_snapshot`` decides the kind of every item, for a full save, a many-rank
+save and an incremental one alike; which tensors go to blobs is decided before
+(incremental.py hashes them) and handed in as ``Blobs``.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, Literal, TypeAlias
 
 from checkpointd import tunables
 from checkpointd.format.checksum import BytesLike, crc32c
 from checkpointd.format.codec import encode_tree
-from checkpointd.format.header import encode_safetensors_header
+from checkpointd.format.header import TensorEntry, encode_safetensors_header
 from checkpointd.format.layout import (
     DIRECT_ALIGN,
     HEADER_ALIGN,
@@ -37,6 +49,7 @@ from checkpointd.format.layout import (
 )
 from checkpointd.format.manifest import (
     BlobEntry,
+    BlobRef,
     ComponentEntry,
     ShardedTensor,
     ShardEntry,
@@ -44,7 +57,18 @@ from checkpointd.format.manifest import (
 )
 from checkpointd.write.capture import CapturedComponent, StagingBuffer
 
-__all__ = ["PlannedFile", "SavePlan", "Snapshot", "WriteFile", "plan_shards", "plan_snapshot"]
+__all__ = [
+    "Blobs",
+    "KeepBlob",
+    "PlannedFile",
+    "RankFile",
+    "SavePlan",
+    "Snapshot",
+    "WriteBlob",
+    "WriteFile",
+    "assign_ranks",
+    "plan_snapshot",
+]
 
 
 @dataclass(slots=True)
@@ -66,35 +90,108 @@ class Snapshot:
     """This process's rank in the group that saves (0 alone); names its shard files."""
 
 
+def _size(parts: Sequence[BytesLike]) -> int:
+    return sum(memoryview(part).nbytes for part in parts)
+
+
 @dataclass(frozen=True, slots=True)
 class WriteFile:
-    """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
+    """A file of the step folder that every rank holds alike: ``parts`` concatenated,
+    under ``name``; ``component`` is the one it belongs to, ``rank`` the rank that
+    writes it (``assign_ranks``)."""
 
-    ``component`` is the component it belongs to (for messages), ``rank`` the rank
-    that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
-    ``own``: the file holds this rank's shards, so this rank writes it and no other
-    rank has a copy to compare it with.
-    """
-
+    kind: ClassVar[Literal["file"]] = "file"
     name: str
     parts: Sequence[BytesLike]
     component: str
+    rank: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes the file will hold."""
+        return _size(self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class RankFile:
+    """A file of the step folder only ``rank`` holds (its shards, or its per-rank
+    component's file): ``parts`` concatenated, under ``name``; written by that rank."""
+
+    kind: ClassVar[Literal["rank-file"]] = "rank-file"
+    name: str
+    parts: Sequence[BytesLike]
+    component: str
+    rank: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes the file will hold."""
+        return _size(self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBlob:
+    """A shared blob this save writes: ``parts`` (the bytes whose XXH3-128 is ``name``)
+    to ``blobs/NAME``, by ``rank``. ``own``: only ``rank`` holds these bytes (a shard);
+    otherwise every rank holds them and ``assign_ranks`` picks the writer."""
+
+    kind: ClassVar[Literal["blob"]] = "blob"
+    name: str
+    parts: Sequence[BytesLike]
     rank: int = 0
     own: bool = False
 
     @property
     def size(self) -> int:
-        """Bytes the file will hold."""
-        return sum(memoryview(part).nbytes for part in self.parts)
+        """Bytes the blob will hold."""
+        return _size(self.parts)
 
 
-PlannedFile: TypeAlias = WriteFile
-"""One file a manifest will list; see the module docstring for the kinds to come."""
+@dataclass(frozen=True, slots=True)
+class KeepBlob:
+    """A shared blob an earlier save stored (``entry``) that the manifest references;
+    ``rank`` checks it is still stored before the publish and, if it vanished, writes it
+    again from ``parts`` (None: the snapshot holds no copy, so the save fails)."""
+
+    kind: ClassVar[Literal["kept-blob"]] = "kept-blob"
+    entry: BlobEntry
+    parts: Sequence[BytesLike] | None
+    rank: int = 0
+    own: bool = False
+
+    @property
+    def name(self) -> str:
+        """The blob's name."""
+        return self.entry.name
+
+    @property
+    def size(self) -> int:
+        """Bytes the blob holds (nothing is written unless it must be repaired)."""
+        return self.entry.size
+
+
+PlannedFile: TypeAlias = WriteFile | RankFile | WriteBlob | KeepBlob
+"""One item a manifest will list, tagged by ``kind``; see the module docstring."""
+
+
+@dataclass(slots=True)
+class Blobs:
+    """What an incremental save decided before planning (incremental.py): the tensors of
+    each component stored as blobs, and for each blob whether to write or keep it.
+
+    ``refs[component][tensor]``: a whole tensor's blob. ``new[name]``: the bytes of a blob
+    to write; ``kept[name]``: a stored blob to reference, with the snapshot's copy of
+    its bytes if it has one. ``own``: blobs only this rank holds (its shards)."""
+
+    refs: dict[str, dict[str, BlobRef]] = field(default_factory=dict)
+    new: dict[str, memoryview] = field(default_factory=dict)
+    kept: dict[str, tuple[BlobEntry, memoryview | None]] = field(default_factory=dict)
+    own: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """Every file of one save attempt, and the manifest fields that are not about files."""
+    """Every item of one save attempt, and the manifest fields that are not about files."""
 
     step: int
     files: list[PlannedFile]
@@ -105,20 +202,13 @@ class SavePlan:
     specs: dict[str, SpecEntry] = field(default_factory=dict)
     per_rank: dict[str, str] = field(default_factory=dict)
     """As ``Snapshot.per_rank``: these components are this rank's alone."""
-    blobs: list[BlobEntry] = field(default_factory=list)
-    """Shared blobs the manifest lists (incremental saves: incremental.py writes them
-    before the commit; ``commit_plan`` only records them)."""
 
     @classmethod
     def of(
-        cls,
-        snapshot: Snapshot,
-        files: list[PlannedFile],
-        components: dict[str, ComponentEntry],
-        blobs: list[BlobEntry] | None = None,
+        cls, snapshot: Snapshot, files: list[PlannedFile], components: dict[str, ComponentEntry]
     ) -> SavePlan:
-        """The plan of ``snapshot`` with these files and component entries (and, for an
-        incremental save, these shared blobs); the other fields come from the snapshot."""
+        """The plan of ``snapshot`` with these items and component entries; the other
+        fields come from the snapshot."""
         return cls(
             step=snapshot.step,
             files=files,
@@ -128,50 +218,101 @@ class SavePlan:
             metadata=snapshot.metadata,
             specs=snapshot.specs,
             per_rank=snapshot.per_rank,
-            blobs=blobs or [],
         )
 
+    def mine(self, rank: int) -> list[PlannedFile]:
+        """The items ``rank`` makes durable."""
+        return [f for f in self.files if f.rank == rank]
 
-def plan_snapshot(snapshot: Snapshot, token: str | None = None) -> SavePlan:
-    """The files that store ``snapshot``: per component a tree file and, if it has
-    tensors, a tensor file, named for the attempt ``token`` (random if None).
+
+def plan_snapshot(
+    snapshot: Snapshot,
+    token: str | None = None,
+    *,
+    world_size: int = 1,
+    blobs: Blobs | None = None,
+) -> SavePlan:
+    """The items that store ``snapshot``, named for the attempt ``token`` (random if
+    None), each with the rank of ``world_size`` that makes it durable: per component a
+    tree file, a tensor file if it has tensors not stored as ``blobs``, this rank's
+    shard file if it holds shards; then the blobs to write or keep.
 
     A data region of tunables.DIRECT_MIN_BYTES or more starts DIRECT_ALIGN-aligned in its
-    file, so it can be written with direct I/O. Event loop or any thread.
+    file, so it can be written with direct I/O. Any thread; off the event loop for a
+    large state (shard block CRC32Cs are computed here).
     """
     token = secrets.token_hex(4) if token is None else token
+    blobs = Blobs() if blobs is None else blobs
     files: list[PlannedFile] = []
     components: dict[str, ComponentEntry] = {}
     for component in snapshot.components:
         name = component.name
+        own = name in snapshot.per_rank
+        refs = blobs.refs.get(name, {})
         tree = tree_file_name(name, token)
-        files.append(WriteFile(tree, [encode_tree(component.tree)], name))
+        files.append(_step_file(own, tree, [encode_tree(component.tree)], name, snapshot.rank))
         tensor_names: list[str] = []
-        if component.entries:
+        parts = _tensor_parts(component, snapshot.buffer, refs)
+        if parts is not None:
             tensors = tensor_file_name(name, token)
             tensor_names.append(tensors)
-            align = DIRECT_ALIGN if component.nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
-            header = encode_safetensors_header(component.entries, align=align)
-            data = snapshot.buffer.view(component.offset, component.nbytes)
-            files.append(WriteFile(tensors, [header, data], name))
-        sharded = plan_shards(component, snapshot, token, files)
+            files.append(_step_file(own, tensors, parts, name, snapshot.rank))
         components[name] = ComponentEntry(
             tree=tree,
             tensors=tensor_names,
             nbytes=component.nbytes,
             num_tensors=len(component.entries),
-            sharded=sharded,
+            sharded=_plan_shards(component, snapshot, token, files),
+            refs=refs,
         )
-    return SavePlan.of(snapshot, files, components)
+    rank = snapshot.rank
+    for blob, view in sorted(blobs.new.items()):
+        files.append(WriteBlob(blob, [view], rank, own=blob in blobs.own))
+    for blob, (entry, copy) in sorted(blobs.kept.items()):
+        files.append(KeepBlob(entry, None if copy is None else [copy], rank, blob in blobs.own))
+    return SavePlan.of(snapshot, assign_ranks(files, world_size), components)
 
 
-def plan_shards(
+def _step_file(
+    own: bool, name: str, parts: list[BytesLike], component: str, rank: int
+) -> PlannedFile:
+    return RankFile(name, parts, component, rank) if own else WriteFile(name, parts, component)
+
+
+def _tensor_parts(
+    component: CapturedComponent, buffer: StagingBuffer, refs: Mapping[str, BlobRef]
+) -> list[BytesLike] | None:
+    """The parts of ``component``'s tensor file (header, then data), leaving out the
+    tensors stored as blobs (``refs``); None if no tensor is left."""
+    if not refs:
+        if not component.entries:
+            return None
+        data = buffer.view(component.offset, component.nbytes)
+        return [_header(component.entries, component.nbytes), data]
+    small: list[TensorEntry] = []
+    views: list[BytesLike] = []
+    position = 0
+    for entry in component.entries:  # kept in order: decreasing element size
+        if entry.name in refs:
+            continue
+        size = entry.end - entry.begin
+        small.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
+        views.append(buffer.view(component.offset + entry.begin, size))
+        position += size
+    return [_header(small, position), *views] if small else None
+
+
+def _header(entries: list[TensorEntry], nbytes: int) -> bytes:
+    align = DIRECT_ALIGN if nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
+    return encode_safetensors_header(entries, align=align)
+
+
+def _plan_shards(
     component: CapturedComponent, snapshot: Snapshot, token: str, files: list[PlannedFile]
 ) -> dict[str, ShardedTensor]:
     """An entry per sharded tensor of ``component`` listing the shards this rank writes,
     whose file (if it writes any) is appended to ``files``; the publisher of a many-rank
-    save merges every rank's entries. Block CRC32Cs are computed here: call it off the
-    loop. Used by full and incremental saves alike."""
+    save merges every rank's entries. Block CRC32Cs are computed here."""
     buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
         s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
@@ -180,17 +321,12 @@ def plan_shards(
     if not component.shard_entries:
         return sharded
     name = shard_file_name(component.name, token, rank)
-    align = DIRECT_ALIGN if component.shard_nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
-    header = encode_safetensors_header(component.shard_entries, align=align)
+    header = _header(component.shard_entries, component.shard_nbytes)
     data = buffer.view(component.shard_offset, component.shard_nbytes)
     by_name = {s.name: s for s in component.shards}
     for entry in component.shard_entries:
         shard = by_name[entry.name]
         region = data[entry.begin : entry.end]
-        blocks = [
-            crc32c(region[at : at + tunables.SHARD_BLOCK_BYTES])
-            for at in range(0, len(region), tunables.SHARD_BLOCK_BYTES)
-        ]
         sharded[entry.name].shards.append(
             ShardEntry(
                 name,
@@ -198,8 +334,39 @@ def plan_shards(
                 list(shard.local_shape),
                 len(header) + entry.begin,
                 tunables.SHARD_BLOCK_BYTES,
-                blocks,
+                _blocks(region),
             )
         )
-    files.append(WriteFile(name, [header, data], component.name, rank, own=True))
+    files.append(RankFile(name, [header, data], component.name, rank))
     return sharded
+
+
+def _blocks(region: memoryview) -> list[int]:
+    step = tunables.SHARD_BLOCK_BYTES
+    return [crc32c(region[at : at + step]) for at in range(0, len(region), step)]
+
+
+def assign_ranks(files: list[PlannedFile], world_size: int) -> list[PlannedFile]:
+    """``files`` with the rank that makes each one durable: a ``RankFile`` and an own
+    blob keep theirs; the items every rank holds alike (``WriteFile``, and blobs not
+    ``own``) go largest first to the least-loaded rank (lowest rank on ties), so every
+    rank writes about the same number of bytes, the same on every rank. Kept blobs
+    weigh nothing (nothing is written) and go round-robin."""
+    loads = [0] * world_size
+    ranked: dict[int, PlannedFile] = {}
+    shared: list[tuple[int, WriteFile | WriteBlob]] = []
+    kept: list[tuple[int, KeepBlob]] = []
+    for index, file in enumerate(files):
+        if isinstance(file, WriteFile) or (isinstance(file, WriteBlob) and not file.own):
+            shared.append((index, file))
+        elif isinstance(file, KeepBlob) and not file.own:
+            kept.append((index, file))
+        else:
+            ranked[index] = file
+    for index, file in sorted(shared, key=lambda f: (-f[1].size, f[1].kind, f[1].name)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += file.size
+        ranked[index] = replace(file, rank=rank)
+    for turn, (index, blob) in enumerate(sorted(kept, key=lambda f: f[1].name)):
+        ranked[index] = replace(blob, rank=turn % world_size)
+    return [ranked[index] for index in range(len(files))]
