@@ -253,25 +253,6 @@ def test_async_writer_saves_incrementally(local_root: Root) -> None:
     assert info.referenced_nbytes == sum(t.numel() * 4 for t in base.values())
 
 
-def test_incremental_with_many_ranks_is_refused(
-    local_root: Root, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import checkpointd.write.writer_base
-
-    closed: list[bool] = []
-
-    class TwoRanks:
-        world_size = 2
-
-        def close(self) -> None:
-            closed.append(True)
-
-    monkeypatch.setattr(checkpointd.write.writer_base, "_group", lambda _: TwoRanks())
-    with pytest.raises(InvalidArgumentError, match="2 ranks"):
-        checkpointd.CheckpointWriter(local_root.url, incremental=True)
-    assert closed == [True]
-
-
 def test_a_tensor_unchanged_at_the_last_save_is_hashed_at_capture_not_copied(
     local_root: Root,
 ) -> None:

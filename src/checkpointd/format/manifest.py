@@ -56,11 +56,12 @@ __all__ = [
     "too_deep",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema this version reads. A checkpoint is written with the oldest schema
-that describes it: 2 only if a component holds sharded tensors (``ComponentEntry.sharded``)
-or references shared blobs (``Manifest.blobs``), which a version-1 reader would misread;
-1 otherwise."""
+that describes it: 3 only if a shard is stored as a shared blob (``ShardEntry.blob``),
+which a version-2 reader would look for in the step folder; 2 if a component holds
+sharded tensors (``ComponentEntry.sharded``) or references shared blobs
+(``Manifest.blobs``), which a version-1 reader would misread; 1 otherwise."""
 FORMAT_NAME = "checkpointd"
 
 _T = TypeVar("_T")
@@ -76,11 +77,13 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     rank: int = 0
 
 
-class ShardEntry(msgspec.Struct, frozen=True):
+class ShardEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One stored shard of a sharded tensor: the box ``offsets .. offsets + shape`` of the
     global tensor, row-major at byte ``begin`` of tensor file ``file`` (key: the tensor's
-    name). ``crc32c`` holds the CRC32C of each ``block_bytes`` piece of the shard's bytes
-    (the last one shorter), so a reader of part of a shard checks what it read."""
+    name), or, if ``blob`` is set (schema 3, incremental saves), the whole of shared blob
+    ``blob`` (``file`` empty, ``begin`` 0). ``crc32c`` holds the CRC32C of each
+    ``block_bytes`` piece of the shard's bytes (the last one shorter), so a reader of part
+    of a shard checks what it read."""
 
     file: str
     offsets: list[int]
@@ -88,6 +91,7 @@ class ShardEntry(msgspec.Struct, frozen=True):
     begin: int
     block_bytes: int
     crc32c: list[int]
+    blob: str = ""
 
 
 class ShardedTensor(msgspec.Struct, frozen=True):
@@ -151,8 +155,8 @@ class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class Manifest(msgspec.Struct, frozen=True):
-    """The manifest, schema versions 1 and 2 (2 adds sharded tensors, per-rank
-    components' layout and shared blobs; see ``schema_for``)."""
+    """The manifest, schema versions 1 to 3 (2 adds sharded tensors, per-rank
+    components' layout and shared blobs, 3 shards stored as blobs; see ``schema_for``)."""
 
     schema_version: int
     step: int
@@ -195,7 +199,10 @@ class _Version(msgspec.Struct):
 
 def schema_for(components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = ()) -> int:
     """The schema version a manifest with these components and shared blobs is written with."""
-    if blobs or any(entry.sharded or entry.refs for entry in components.values()):
+    entries = components.values()
+    if any(shard.blob for e in entries for t in e.sharded.values() for shard in t.shards):
+        return 3
+    if blobs or any(entry.sharded or entry.refs for entry in entries):
         return 2
     return 1
 
@@ -270,7 +277,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    # Versions 1 and 2 decode as they are (2 only added fields with defaults).
+    # Versions 1 to 3 decode as they are (2 and 3 only added fields with defaults).
     manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     if (field := _deep_field(manifest)) is not None:
         raise CorruptCheckpointError(
@@ -317,20 +324,28 @@ def _check_consistency(manifest: Manifest, where: str) -> None:
                 raise CorruptCheckpointError(
                     f"{where}: component {name!r} refers to unlisted file {path!r}"
                 )
+    blobs = _check_blobs(manifest, where)
     for name, component in manifest.components.items():
         for tensor, sharded in component.sharded.items():
-            if problem := shard_problem(sharded, listed):
+            if problem := shard_problem(sharded, listed, blobs):
                 raise CorruptCheckpointError(f"{where}: sharded tensor {name}/{tensor}: {problem}")
-    _check_blobs(manifest, where)
+            if manifest.schema_version < 3 and any(s.blob for s in sharded.shards):
+                raise CorruptCheckpointError(
+                    f"{where}: sharded tensor {name}/{tensor} has shards in blobs in a "
+                    f"schema_version {manifest.schema_version} manifest"
+                )
     for name, keys in manifest.per_rank.items():
         if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
             raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
 
 
-def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str | None:
+def shard_problem(
+    sharded: ShardedTensor, files: set[str] | None = None, blobs: set[str] | None = None
+) -> str | None:
     """What is wrong with a sharded tensor's entry, or None: each shard must lie inside the
-    global shape, list a file from ``files`` (when given) and a CRC32C per block, and the
-    shards must tile the tensor exactly (their volumes add up to it and no two overlap)."""
+    global shape, list a file from ``files`` or a blob from ``blobs`` (when given; a blob
+    shard begins at 0) and a CRC32C per block, and the shards must tile the tensor
+    exactly (their volumes add up to it and no two overlap)."""
     shape = sharded.shape
     if any(d < 0 for d in shape):
         return f"negative dimension in shape {shape}"
@@ -341,7 +356,10 @@ def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str 
             return f"shard at {shard.offsets} has another rank than shape {shape}"
         if any(o < 0 or n < 0 or o + n > d for (o, n), d in zip(box, shape, strict=True)):
             return f"shard at {shard.offsets} of shape {shard.shape} lies outside {shape}"
-        if files is not None and shard.file not in files:
+        if shard.blob:
+            if (blobs is not None and shard.blob not in blobs) or shard.file or shard.begin:
+                return f"shard at {shard.offsets}: blob {shard.blob!r} is not listed alone"
+        elif files is not None and shard.file not in files:
             return f"shard file {shard.file!r} is not listed"
         if shard.block_bytes <= 0 or shard.begin < 0:
             return f"shard at {shard.offsets}: invalid begin or block size"
@@ -365,8 +383,9 @@ def _overlap(a: ShardEntry, b: ShardEntry) -> bool:
     )
 
 
-def _check_blobs(manifest: Manifest, where: str) -> None:
-    """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted blobs."""
+def _check_blobs(manifest: Manifest, where: str) -> set[str]:
+    """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted
+    blobs; return the names listed."""
     blobs: set[str] = set()
     for blob in manifest.blobs:
         if not is_blob_name(blob.name) or blob.size < 0:
@@ -383,6 +402,7 @@ def _check_blobs(manifest: Manifest, where: str) -> None:
                     f"{where}: component {name!r} tensor {tensor!r} refers to unlisted blob "
                     f"{ref.blob!r}"
                 )
+    return blobs
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):

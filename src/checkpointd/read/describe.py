@@ -64,7 +64,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
                     "nbytes": elements * _itemsize(sharded.dtype),
                     "shards": [
                         {
-                            "file": s.file,
+                            "file": s.file or blob_path(s.blob),
                             "rank": rank_of.get(s.file, 0),
                             "offsets": list(s.offsets),
                             "shape": list(s.shape),

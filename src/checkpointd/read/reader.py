@@ -254,33 +254,55 @@ class StepReader:
         total = size * math.prod(shard.shape)
         block = shard.block_bytes
         lo, hi = first * size // block, -(-(last + 1) * size // block)
+        label = f"{self.where}/{shard.file or blob_path(shard.blob)}"
         if hi > len(shard.crc32c) or total > shard.block_bytes * len(shard.crc32c):
             raise CorruptCheckpointError(
-                f"{self.where}/{shard.file}: the shard at {shard.offsets} has too few block digests"
+                f"{label}: the shard at {shard.offsets} has too few block digests"
             )
         begin, end = lo * block, min(hi * block, total)
-        if shard.file not in self._sized:
-            self._size(shard.file)
-            self._sized.add(shard.file)
+        path = self._shard_path(shard, total)
         data = torch.empty(end - begin, dtype=torch.uint8)
         view = data.numpy().data.cast("B")
         try:
-            self.store.read_into(f"{self.folder}/{shard.file}", view, shard.begin + begin)
+            self.store.read_into(path, view, shard.begin + begin)
         except StorageNotFoundError:
-            raise self._vanished(shard.file) from None
+            raise self._vanished(shard.file or shard.blob) from None
         if self.verify:
             for index in range(lo, hi):
                 at = index * block - begin
                 actual = crc32c(view[at : at + block])
                 if actual != shard.crc32c[index]:
                     raise CorruptCheckpointError(
-                        f"{self.where}/{shard.file}: block {index} of the shard at "
+                        f"{label}: block {index} of the shard at "
                         f"{shard.offsets} has CRC32C {actual:08x}, the manifest "
                         f"{shard.crc32c[index]:08x}"
                     )
         flat = data.view(dtype)
         offset = flat.storage_offset() + first - begin // size
         return flat.as_strided(part[1], strides, offset)
+
+    def _shard_path(self, shard: ShardEntry, nbytes: int) -> str:
+        """Where ``shard`` (of ``nbytes`` bytes) is stored, after checking that file's or
+        blob's size against the manifest (once per file or blob)."""
+        if not shard.blob:
+            if shard.file not in self._sized:
+                self._size(shard.file)
+                self._sized.add(shard.file)
+            return f"{self.folder}/{shard.file}"
+        path = blob_path(shard.blob)
+        if shard.blob not in self._sized:
+            listed = self.blobs[shard.blob].size
+            try:
+                size = self.store.size(path)
+            except StorageNotFoundError:
+                raise self._vanished(shard.blob) from None
+            if nbytes != listed or size != listed:
+                raise CorruptCheckpointError(
+                    f"{self.store.url.rstrip('/')}/{path} (used by {self.where}): size {size}, "
+                    f"the manifest lists {listed} and the shard at {shard.offsets} needs {nbytes}"
+                )
+            self._sized.add(shard.blob)
+        return path
 
     def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
         """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after

@@ -33,7 +33,7 @@ import logging
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import anyio
@@ -194,11 +194,9 @@ class IncrementalSaver:
             prehashed = await self._prehashed(snapshot, chosen, limiter)
             async with anyio.create_task_group() as group:
                 for component in snapshot.components:
-                    for entry in _large(component):
-                        if entry.name in component.blobs:
-                            continue
-                        view = snapshot.buffer.view(component.offset + entry.begin, _size(entry))
-                        group.start_soon(self._choose, chosen, component.name, entry, view, limiter)
+                    for item in _large(snapshot, component):
+                        group.start_soon(self._choose, chosen, component.name, item, limiter)
+            chosen.own = _own(snapshot, chosen)
             plan = await in_thread(
                 limiter,
                 functools.partial(
@@ -282,16 +280,20 @@ class IncrementalSaver:
         self,
         chosen: Blobs,
         component: str,
-        entry: TensorEntry,
-        view: memoryview,
+        item: tuple[TensorEntry, memoryview, bool],
         limiter: anyio.CapacityLimiter,
     ) -> None:
-        """Hash one large tensor; keep its blob if the previous checkpoint stored those
-        bytes, else plan to write it. Event loop."""
+        """Hash one large tensor or this rank's shard of one (``item`` as ``_large`` yields
+        it); keep its blob if the previous checkpoint stored those bytes, else plan to
+        write it. Event loop."""
         assert self.previous is not None
+        entry, view, whole = item
         name = await in_thread(limiter, blob_name, view)
-        ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
-        chosen.refs.setdefault(component, {})[entry.name] = ref
+        if whole:
+            ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+            chosen.refs.setdefault(component, {})[entry.name] = ref
+        else:
+            chosen.shards.setdefault(component, {})[entry.name] = name
         if name in chosen.new:
             return  # the same bytes twice in this save: written once
         if name in chosen.kept:
@@ -304,6 +306,20 @@ class IncrementalSaver:
             chosen.kept[name] = (msgspec.structs.replace(known, written=False), view)
         else:
             chosen.new[name] = view
+
+
+def _own(snapshot: Snapshot, chosen: Blobs) -> set[str]:
+    """The blobs only this rank holds: of its shards and its per-rank components, unless
+    a replicated tensor has the same bytes (then every rank plans that blob alike)."""
+    mine = {name for shards in chosen.shards.values() for name in shards.values()}
+    replicated: set[str] = set()
+    for component, refs in chosen.refs.items():
+        names = {ref.blob for ref in refs.values()}
+        if component in snapshot.per_rank:
+            mine |= names
+        else:
+            replicated |= names
+    return mine - replicated
 
 
 def _stats(manifest: Manifest, chosen: Blobs, prehashed: int) -> SaveStats:
@@ -324,6 +340,17 @@ def _size(entry: TensorEntry) -> int:
     return entry.end - entry.begin
 
 
-def _large(component: CapturedComponent) -> list[TensorEntry]:
-    """The tensors of ``component`` stored as blobs (at least INCREMENTAL_MIN_BYTES)."""
-    return [e for e in component.entries if _size(e) >= max(1, tunables.INCREMENTAL_MIN_BYTES)]
+def _large(
+    snapshot: Snapshot, component: CapturedComponent
+) -> Iterator[tuple[TensorEntry, memoryview, bool]]:
+    """The tensors of ``component`` stored as blobs (at least INCREMENTAL_MIN_BYTES) that
+    capture copied, then this rank's shards of its DTensors of that size: (entry, its
+    bytes in the snapshot, whether it is a whole tensor)."""
+    least = max(1, tunables.INCREMENTAL_MIN_BYTES)
+    for entry in component.entries:
+        if _size(entry) >= least and entry.name not in component.blobs:
+            yield entry, snapshot.buffer.view(component.offset + entry.begin, _size(entry)), True
+    for entry in component.shard_entries:
+        if _size(entry) >= least:
+            at = component.shard_offset + entry.begin
+            yield entry, snapshot.buffer.view(at, _size(entry)), False

@@ -179,11 +179,13 @@ class Blobs:
     """What an incremental save decided before planning (incremental.py): the tensors of
     each component stored as blobs, and for each blob whether to write or keep it.
 
-    ``refs[component][tensor]``: a whole tensor's blob. ``new[name]``: the bytes of a blob
-    to write; ``kept[name]``: a stored blob to reference, with the snapshot's copy of
-    its bytes if it has one. ``own``: blobs only this rank holds (its shards)."""
+    ``refs[component][tensor]``: a whole tensor's blob; ``shards[component][tensor]``:
+    the blob of this rank's shard of a DTensor. ``new[name]``: the bytes of a blob to
+    write; ``kept[name]``: a stored blob to reference, with the snapshot's copy of its
+    bytes if it has one. ``own``: blobs only this rank holds (its shards)."""
 
     refs: dict[str, dict[str, BlobRef]] = field(default_factory=dict)
+    shards: dict[str, dict[str, str]] = field(default_factory=dict)
     new: dict[str, memoryview] = field(default_factory=dict)
     kept: dict[str, tuple[BlobEntry, memoryview | None]] = field(default_factory=dict)
     own: set[str] = field(default_factory=set)
@@ -262,7 +264,7 @@ def plan_snapshot(
             tensors=tensor_names,
             nbytes=component.nbytes,
             num_tensors=len(component.entries),
-            sharded=_plan_shards(component, snapshot, token, files),
+            sharded=_plan_shards(component, snapshot, token, files, blobs.shards.get(name, {})),
             refs=refs,
         )
     rank = snapshot.rank
@@ -308,11 +310,16 @@ def _header(entries: list[TensorEntry], nbytes: int) -> bytes:
 
 
 def _plan_shards(
-    component: CapturedComponent, snapshot: Snapshot, token: str, files: list[PlannedFile]
+    component: CapturedComponent,
+    snapshot: Snapshot,
+    token: str,
+    files: list[PlannedFile],
+    blobs: Mapping[str, str],
 ) -> dict[str, ShardedTensor]:
     """An entry per sharded tensor of ``component`` listing the shards this rank writes,
-    whose file (if it writes any) is appended to ``files``; the publisher of a many-rank
-    save merges every rank's entries. Block CRC32Cs are computed here."""
+    each in this rank's shard file (appended to ``files`` if it holds any) or, named in
+    ``blobs``, as a shared blob; the publisher of a many-rank save merges every rank's
+    entries. Block CRC32Cs are computed here."""
     buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
         s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
@@ -321,23 +328,36 @@ def _plan_shards(
     if not component.shard_entries:
         return sharded
     name = shard_file_name(component.name, token, rank)
-    header = _header(component.shard_entries, component.shard_nbytes)
     data = buffer.view(component.shard_offset, component.shard_nbytes)
+    kept = [e for e in component.shard_entries if e.name not in blobs]
+    parts: list[BytesLike] = [data[e.begin : e.end] for e in kept]
+    entries, position = [], 0
+    for entry in kept:
+        size = entry.end - entry.begin
+        entries.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
+        position += size
+    header = _header(entries, position) if entries else b""
+    begins = {entry.name: len(header) + entry.begin for entry in entries}
     by_name = {s.name: s for s in component.shards}
     for entry in component.shard_entries:
         shard = by_name[entry.name]
-        region = data[entry.begin : entry.end]
+        blob = blobs.get(entry.name, "")
         sharded[entry.name].shards.append(
             ShardEntry(
-                name,
+                "" if blob else name,
                 list(shard.offsets),
                 list(shard.local_shape),
-                len(header) + entry.begin,
+                begins.get(entry.name, 0),
                 tunables.SHARD_BLOCK_BYTES,
-                _blocks(region),
+                _blocks(data[entry.begin : entry.end]),
+                blob,
             )
         )
-    files.append(RankFile(name, [header, data], component.name, rank))
+    if entries:
+        whole = len(entries) == len(component.shard_entries)
+        files.append(
+            RankFile(name, [header, data] if whole else [header, *parts], component.name, rank)
+        )
     return sharded
 
 

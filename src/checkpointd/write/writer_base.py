@@ -80,8 +80,9 @@ class WriterBase:
     equal one of the writer's previous committed checkpoint is not written again: the
     manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
     incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
-    retention and gc delete a blob only when no committed manifest uses it. Single
-    process only for now: with many ranks it raises InvalidArgumentError.
+    retention and gc delete a blob only when no committed manifest uses it. With many
+    ranks each rank's shards of a DTensor (FSDP2) are blobs too, so a frozen sharded base
+    is referenced, not rewritten.
 
     ``staging``: ``"blocking"`` (default) copies the whole state into host memory
     before ``save()`` returns. ``"overlapped"`` copies the parameters of the
@@ -155,14 +156,6 @@ class WriterBase:
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
         self._ranks = _group(process_group)
-        if incremental and self._ranks is not None:
-            self._ranks.close()
-            self._store.close()
-            raise InvalidArgumentError(
-                "incremental=True is for a writer that saves alone for now: this one saves "
-                f"with {self._ranks.world_size} ranks (pass process_group=checkpointd.LOCAL, "
-                "or drop incremental)"
-            )
         self.incremental = incremental
         self.service = None if service is None else os.fspath(service)
         self._service: WriteService | RemoteService
