@@ -10,6 +10,11 @@ save by save (who goes first alternates) so both see the same machine:
   manifest, durable time <= 0.1x the full save.
 - **changing**: every tensor of ``--changing-mb`` MB changes every save. Goal:
   durable time with ``incremental=True`` <= 1.1x without.
+- **lora-ranks**: the lora case as an FSDP2 job of ``--ranks`` (2) gloo processes:
+  a frozen base of ``--base-mb`` MB sharded over the ranks, adapters of
+  ``--adapter-mb`` MB trained by AdamW between saves
+  (benchmarks/incremental_rank_worker.py). Goal: bytes written per save <= 1.1x
+  the changed bytes (the adapters and their AdamW state).
 
 Prints per save the bytes written and the durable time (save() to committed),
 then the medians (first save excluded: it writes everything either way), the
@@ -17,6 +22,7 @@ ratios and the storage the root holds at the end.
 
     PYTHONPATH=src python -m benchmarks.bench_incremental [--base-mb 1024] [--saves 10]
     PYTHONPATH=src python -m benchmarks.bench_incremental --smoke      # seconds (CI)
+    PYTHONPATH=src python -m benchmarks.bench_incremental --cases lora-ranks --ranks 2
 """
 
 from __future__ import annotations
@@ -140,6 +146,83 @@ def run_case(
     return summary
 
 
+def run_ranked_case(
+    base_mb: float, adapter_mb: float, *, ranks: int, saves: int, folder: Path, log: Any
+) -> dict[str, Any]:
+    """The lora case as an FSDP2 job of ``ranks`` gloo processes; every rank reports the
+    same manifests, so rank 0's rows stand for the job."""
+    from tests.support.launch import run_ranks
+
+    out = folder / "lora-ranks-out"
+    args = [str(base_mb), str(adapter_mb), str(saves), str(folder / "lora-ranks"), str(out)]
+    reports = run_ranks("benchmarks.incremental_rank_worker", args, out, ranks, timeout=3600)
+    if any(r is None for r in reports):
+        raise SystemExit(f"a rank failed: see {out}/stderr*.txt")
+    first = reports[0]
+    assert first is not None
+    rows = first["rows"]
+    for f, i in zip(rows["full"], rows["incremental"], strict=True):
+        log(
+            f"  lora-ranks save {f['step']:>2}: full {f['written'] / MB:9.1f} MB "
+            f"{f['durable_s']:7.3f} s | incremental {i['written'] / MB:9.1f} MB "
+            f"{i['durable_s']:7.3f} s (references {i['referenced'] / MB:.1f} MB)"
+        )
+    later = slice(1, None) if saves > 1 else slice(None)
+    summary: dict[str, Any] = {
+        "ranks": ranks,
+        "changed_bytes_per_save": first["changed_bytes_per_save"],
+        "rows": rows,
+    }
+    for kind, kind_rows in rows.items():
+        summary[kind] = {
+            "written_median": statistics.median(r["written"] for r in kind_rows[later]),
+            "durable_median_s": statistics.median(r["durable_s"] for r in kind_rows[later]),
+            "storage_bytes": _du(folder / "lora-ranks" / kind),
+        }
+    return summary
+
+
+def report(results: dict[str, Any], log: Any) -> None:
+    """Log the medians side by side, their ratios and the goals."""
+    log("")
+    log(f"{'':<34}{'full':>12}{'incremental':>14}{'ratio':>8}")
+    rows = (
+        ("lora", "written per save (MB)", "written_median", MB),
+        ("lora", "durable per save (s)", "durable_median_s", 1),
+        ("lora", "blocked per save (s)", "blocked_median_s", 1),
+        ("lora", "storage at the end (MB)", "storage_bytes", MB),
+        ("changing", "durable per save (s)", "durable_median_s", 1),
+        ("changing", "written per save (MB)", "written_median", MB),
+        ("lora-ranks", "written per save (MB)", "written_median", MB),
+        ("lora-ranks", "durable per save (s)", "durable_median_s", 1),
+        ("lora-ranks", "storage at the end (MB)", "storage_bytes", MB),
+    )
+    for case_name, label, key, unit in rows:
+        if case_name not in results:
+            continue
+        case = results[case_name]
+        full, inc = case["full"][key] / unit, case["incremental"][key] / unit
+        title = f"{case_name}: {label}"
+        log(f"{title:<34}{full:>12.3f}{inc:>14.3f}{inc / full if full else 0:>8.3f}")
+    goals = []
+    if "lora" in results:
+        lora = results["lora"]
+        written = lora["incremental"]["written_median"] / lora["changed_bytes_per_save"]
+        goals.append(f"lora written {written:.2f}x the changed bytes (<= 2x + manifest)")
+        goals.append(f"lora durable {lora['durable_ratio']:.3f}x full (<= 0.1)")
+    if "changing" in results:
+        goals.append(f"changing durable {results['changing']['durable_ratio']:.3f}x full (<= 1.1)")
+    if "lora-ranks" in results:
+        ranked = results["lora-ranks"]
+        written = ranked["incremental"]["written_median"] / ranked["changed_bytes_per_save"]
+        goals.append(
+            f"lora-ranks ({ranked['ranks']} ranks) written {written:.3f}x the changed bytes "
+            f"({ranked['incremental']['written_median']:,} of "
+            f"{ranked['changed_bytes_per_save']:,}; <= 1.1)"
+        )
+    log("goals: " + "; ".join(goals))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-mb", type=float, default=1024, help="frozen base (MB)")
@@ -149,14 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 3 saves (CI)")
     parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the lora-ranks case")
     parser.add_argument(
-        "--cases", nargs="+", choices=("lora", "changing"), default=["lora", "changing"]
+        "--cases",
+        nargs="+",
+        choices=("lora", "changing", "lora-ranks"),
+        help="default: all three (--smoke: lora and changing)",
     )
     parser.add_argument("--plot", help="also draw the figures into this PNG file")
     args = parser.parse_args(argv)
     if args.smoke:
         args.base_mb, args.adapter_mb, args.changing_mb, args.saves = 8, 0.5, 4, 3
-    need = int((2 * 2 * args.base_mb + 3 * 2 * args.changing_mb) * MB)
+    if args.cases is None:
+        args.cases = ["lora", "changing"] + ([] if args.smoke else ["lora-ranks"])
+    need = int((4 * 2 * args.base_mb + 3 * 2 * args.changing_mb) * MB)
     folder = pick_folder(args.dir, need)
 
     def log(line: str) -> None:
@@ -180,32 +269,17 @@ def main(argv: list[str] | None = None) -> int:
             results["changing"] = run_case(
                 "changing", state, changing, saves=args.saves, folder=work, log=log
             )
-    log("")
-    log(f"{'':<34}{'full':>12}{'incremental':>14}{'ratio':>8}")
-    rows = (
-        ("lora", "written per save (MB)", "written_median", MB),
-        ("lora", "durable per save (s)", "durable_median_s", 1),
-        ("lora", "blocked per save (s)", "blocked_median_s", 1),
-        ("lora", "storage at the end (MB)", "storage_bytes", MB),
-        ("changing", "durable per save (s)", "durable_median_s", 1),
-        ("changing", "written per save (MB)", "written_median", MB),
-    )
-    for case_name, label, key, unit in rows:
-        if case_name not in results:
-            continue
-        case = results[case_name]
-        full, inc = case["full"][key] / unit, case["incremental"][key] / unit
-        title = f"{case_name}: {label}"
-        log(f"{title:<34}{full:>12.3f}{inc:>14.3f}{inc / full if full else 0:>8.3f}")
-    goals = []
-    if "lora" in results:
-        lora = results["lora"]
-        written = lora["incremental"]["written_median"] / lora["changed_bytes_per_save"]
-        goals.append(f"lora written {written:.2f}x the changed bytes (<= 2x + manifest)")
-        goals.append(f"lora durable {lora['durable_ratio']:.3f}x full (<= 0.1)")
-    if "changing" in results:
-        goals.append(f"changing durable {results['changing']['durable_ratio']:.3f}x full (<= 1.1)")
-    log("goals: " + "; ".join(goals))
+            del state, changing
+        if "lora-ranks" in args.cases:
+            results["lora-ranks"] = run_ranked_case(
+                args.base_mb,
+                args.adapter_mb,
+                ranks=args.ranks,
+                saves=args.saves,
+                folder=work,
+                log=log,
+            )
+    report(results, log)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
@@ -220,7 +294,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = [name for name in ("lora", "changing") if name in results]
+    cases = [name for name in ("lora", "changing", "lora-ranks") if name in results]
     fig, axes = plt.subplots(len(cases), 2, figsize=(10, 3.2 * len(cases)), squeeze=False)
     for row, name in zip(axes, cases, strict=True):
         for kind, style in (("full", "o-"), ("incremental", "s-")):
@@ -228,7 +302,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
             steps = [r["step"] for r in rows]
             row[0].plot(steps, [r["written"] / MB for r in rows], style, label=kind)
             row[1].plot(steps, [r["durable_s"] for r in rows], style, label=kind)
-        if name == "lora":
+        if name != "changing":
             row[0].set_yscale("log")
         else:
             row[0].set_ylim(bottom=0)

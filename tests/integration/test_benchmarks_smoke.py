@@ -54,6 +54,21 @@ def test_incremental_benchmark_smoke(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
 
 
+@pytest.mark.timeout(240)
+def test_incremental_benchmark_with_two_ranks_smoke(tmp_path: Path) -> None:
+    from benchmarks import bench_incremental
+
+    out = tmp_path / "incremental.json"
+    args = ["--smoke", "--cases", "lora-ranks", "--dir", str(tmp_path), "--json", str(out)]
+    assert bench_incremental.main(args) == 0
+    ranked = json.loads(out.read_text())["lora-ranks"]
+    # the sharded base is referenced: only about the changed bytes are written again
+    changed = ranked["changed_bytes_per_save"]
+    assert changed <= ranked["incremental"]["written_median"] <= 1.1 * changed
+    assert ranked["full"]["written_median"] > 4 * changed
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
 def test_overlap_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_overlap
 
