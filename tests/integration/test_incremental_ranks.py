@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd import tunables
 from checkpointd.format.layout import BLOBS_DIR
 from checkpointd.maintain.gc import apply_gc, plan_gc
 from checkpointd.maintain.retention import RetentionPolicy
@@ -127,3 +128,17 @@ def test_retention_and_gc_keep_the_blobs_a_manifest_uses(
     assert set(store.list_dir(BLOBS_DIR)) == used() == blobs[3]
     states = torch.load(saved[1] / "states.pt")
     _same(states[3]["model"], checkpointd.load(str(root), step=3).state["model"])
+
+
+def test_a_rank_that_fails_before_its_commit_fails_the_save_on_every_rank_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 cannot write its pin: it abandons the attempt, so rank 0 fails at once
+    (not after JOIN_SECONDS waiting for its digest) and nothing is published."""
+    root = tmp_path / "root"
+    reports = job("pin-fails", root, tmp_path / "out", 2)
+    assert reports[1]["save_error"][0] == "StorageError"
+    assert reports[0]["save_error"][0] == "RankFailedError"
+    assert "rank 1: StorageError" in reports[0]["save_error"][1]
+    assert reports[0]["seconds"] < tunables.JOIN_SECONDS / 4
+    assert checkpointd.list_checkpoints(str(root)) == []

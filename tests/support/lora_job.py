@@ -11,7 +11,8 @@ parameter name (gathered by torch.distributed.checkpoint.state_dict) as saved; e
 rank writes OUT/rank{RANK}.json with ``ok``, ``error`` and, per save, the
 CheckpointInfo's ``nbytes``/``written``/``referenced`` and the manifest's ``blobs``. ACTION ``restore``: build the
 model from another seed, restore step CHECKPOINTD_TEST_STEP (default the newest) into it
-and write OUT/restored.pt (rank 0) the same way.
+and write OUT/restored.pt (rank 0) the same way. ACTION ``pin-fails``: save step 1
+while rank 1 cannot write its pin (``pin_fails``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import copy
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -107,6 +109,8 @@ def main() -> None:
                     }
             if rank == 0:
                 torch.save(states, os.path.join(out, "states.pt"))
+        elif action == "pin-fails":
+            pin_fails(root, world, rank, result)
         else:
             model, optimizer = build(world, seed=1)
             train_step(model, optimizer, seed=0)  # so the optimizer has state to restore into
@@ -126,6 +130,29 @@ def main() -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def pin_fails(root: str, world: int, rank: int, result: dict[str, Any]) -> None:
+    """Save step 1 while rank 1's pin cannot be written (its storage fails before the
+    commit begins); records each rank's error and how long its save took."""
+    from checkpointd.errors import StorageError
+    from checkpointd.write import incremental
+
+    if rank == 1:
+
+        def write_pin(*args: Any) -> str:
+            raise StorageError(5, "injected: the pin could not be written")
+
+        incremental.write_pin = write_pin  # type: ignore[assignment]
+    model, optimizer = build(world, seed=0)
+    train_step(model, optimizer, seed=1)
+    started = time.perf_counter()
+    try:
+        with checkpointd.CheckpointWriter(root, incremental=True) as writer:
+            writer.save(1, {"model": model, "optimizer": optimizer}).result()
+    except checkpointd.CheckpointError as exc:
+        result["save_error"] = [type(exc).__name__, str(exc)]
+    result["seconds"] = time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -194,9 +194,22 @@ class WriteService:
         world_size = 1 if group is None else group.world_size
         durable = functools.partial(self._durable, limiter=limiter, number=snapshot.attempt)
         if self.incremental is not None:
-            manifest = await self.incremental.commit(
-                snapshot, limiter, durable, token=token, world_size=world_size
-            )
+            begun: list[SavePlan] = []
+
+            async def begin(plan: SavePlan) -> Manifest:
+                begun.append(plan)
+                return await durable(plan)
+
+            try:
+                manifest = await self.incremental.commit(
+                    snapshot, limiter, begin, token=token, world_size=world_size
+                )
+            except BaseException as exc:
+                if group is not None and not begun:  # the others would wait for this rank
+                    from checkpointd.ranks.commit import abandon
+
+                    await abandon(group, snapshot.step, snapshot.attempt, first_leaf(exc))
+                raise
         else:
             plan = await anyio.to_thread.run_sync(
                 functools.partial(plan_snapshot, snapshot, token, world_size=world_size)
