@@ -329,7 +329,8 @@ def per_rank_targets(
         elif strict:
             raise RestoreMismatchError(
                 f"per-rank component {name!r} was saved by {len(keys)} ranks and this job "
-                f"has {world}: pass strict=False to restore without it"
+                f"has {world}: pass strict=False to restore without it (or, if a "
+                "sub-group saved it, that group as process_group=)"
             )
         else:
             skipped.append(name)
