@@ -3,7 +3,8 @@ groups of 3 and 4 processes (tests/support/group_job.py): a pipeline stage of ra
 {1, 2} saves and restores its own checkpoint while rank 0, outside it, trains on
 (world all-reduces) with no writer of that root; the stage's checkpoint reshards onto
 the whole world and loads in a plain process; two disjoint groups save their own roots
-at the same time through the job's one store, one attempt abandoned in one group only.
+at the same time through the job's one store, one attempt abandoned in one group only,
+and each group agrees on preemption by itself.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def test_two_groups_save_their_own_roots_at_once_through_one_store(tmp_path: Pat
     assert error == "RankFailedError"
     assert "rank 1 (global 3): its save() was refused" in message
     assert seconds < 10  # the job's JOIN_SECONDS is 30: it did not wait for a join
-    for name, group, committed in (("a", 0, [1, 2, 3]), ("b", 1, [1, 3])):
+    # preemption is agreed within each group (its own all_reduce), not over the world
+    assert [r["stopped_at"] for r in reports] == [6, 6, 8, 8]
+    for name, group, committed in (("a", 0, [1, 2, 3, 6]), ("b", 1, [1, 3, 8])):
         root = str(tmp_path / "root" / name)
         assert [info.step for info in checkpointd.list_checkpoints(root)] == committed
         torch.manual_seed(group)

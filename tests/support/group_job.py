@@ -17,7 +17,8 @@ Joins a gloo group of WORLD ranks (rank 0 hosts the TCP store) and plays SCENARI
 - ``pairs`` (4 ranks): groups {0, 1} and {2, 3} save their own roots (ROOT/a, ROOT/b)
   at the same time through the one job store, steps 1-3, with world all-reduces
   between saves; at step 2 rank 3 refuses its save (an unstorable value), so {2, 3}
-  fail that step while {0, 1} commit it.
+  fail that step while {0, 1} commit it. Then each group watches preemption: rank 1
+  gets SIGTERM at step 6, rank 3 at step 8 (``stopped_at``: where its group saved).
 
 Each rank writes OUT/rank{RANK}.json (``ok``, ``error``, ``message``, and the scenario's
 findings).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -153,6 +155,15 @@ def pairs(root: str, rank: int, result: dict[str, Any]) -> None:
                 outcome = [type(exc).__name__, str(exc)]
             result["steps"][step] = [*outcome, time.monotonic() - started]
             all_reduces(5)  # the world's collectives between saves
+        # each group agrees on preemption by itself: rank 1 is signalled at step 6, rank 3
+        # at step 8, and each group stops where its own rank was
+        w.watch_preemption()
+        for step in range(4, 100):
+            if (rank, step) in {(1, 6), (3, 8)}:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if w.save_if_preempted(step, {"model": model, "extra": {"group": mine, "step": step}}):
+                result["stopped_at"] = step
+                break
     result["ok"] = True
 
 
