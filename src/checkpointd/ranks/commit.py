@@ -67,7 +67,7 @@ from checkpointd.write.commit import (
 from checkpointd.write.handle import first_leaf
 from checkpointd.write.plan import SavePlan, WriteFile
 
-__all__ = ["abandon", "commit_ranked", "component_digests"]
+__all__ = ["commit_ranked", "component_digests"]
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
@@ -173,17 +173,6 @@ async def commit_ranked(
     if group.publishes:
         await finish_commit(store, manifest, limiter, identity=identity)
     return manifest
-
-
-async def abandon(group: Group, step: int, number: int, error: BaseException) -> None:
-    """Abandon attempt ``number`` at ``step`` for every rank because this rank failed with
-    ``error`` before its commit began (an incremental save's pin or hashing), so the
-    others fail now instead of waiting JOIN_SECONDS for its digest. Best effort,
-    shielded; event loop."""
-    attempt = Attempt(group, step, number)
-    why = f"{type(error).__name__}: {error}"
-    with anyio.CancelScope(shield=True), contextlib.suppress(RankFailedError):
-        await anyio.to_thread.run_sync(attempt.give_up, why)
 
 
 async def _may_remove(attempt: Attempt, error: BaseException) -> bool:

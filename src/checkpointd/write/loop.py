@@ -223,9 +223,14 @@ class WriteService:
                 )
             except BaseException as exc:
                 if group is not None and not begun:  # the others would wait for this rank
-                    from checkpointd.ranks.commit import abandon
+                    from checkpointd.ranks.attempt import abandon
 
-                    await abandon(group, snapshot.step, snapshot.attempt, first_leaf(exc))
+                    error = first_leaf(exc)
+                    why = f"{type(error).__name__}: {error}"
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(
+                            abandon, group, snapshot.step, snapshot.attempt, why
+                        )
                 raise
         else:
             plan = await anyio.to_thread.run_sync(
