@@ -43,11 +43,12 @@ def spec_text(entry: dict[str, Any]) -> str:
 
 
 def shards_text(shards: list[dict[str, Any]] | None) -> str:
-    """``  2 shards: rank 0 [0:12], rank 1 [12:24]`` for a sharded tensor, else ""."""
+    """``  2 shards: rank 0 [0:12], rank 1 [12:24]`` for a sharded tensor (``blob [..]``
+    for a shard stored as a shared blob, whose rank is not recorded), else ""."""
     if not shards:
         return ""
     shown = [
-        f"rank {s['rank']} ["
+        ("blob [" if s["rank"] is None else f"rank {s['rank']} [")
         + ", ".join(f"{o}:{o + n}" for o, n in zip(s["offsets"], s["shape"], strict=True))
         + "]"
         for s in shards[:4]

@@ -65,7 +65,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
                     "shards": [
                         {
                             "file": s.file or blob_path(s.blob),
-                            "rank": rank_of.get(s.file, 0),
+                            "rank": None if s.blob else rank_of.get(s.file, 0),
                             "offsets": list(s.offsets),
                             "shape": list(s.shape),
                         }
