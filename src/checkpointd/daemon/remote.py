@@ -51,7 +51,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
     unsupported = [
         what
         for what, used in (
-            ("many ranks (pass process_group=checkpointd.LOCAL)", writer._ranks is not None),
+            ("many ranks (pass process_group=checkpointd.LOCAL)", writer.world_size > 1),
             ("incremental=True", writer.incremental),
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
@@ -265,7 +265,6 @@ class RemoteService:
         from now on, whatever happens to this process)."""
         buffer = snapshot.buffer
         assert isinstance(buffer, _SegmentBuffer)
-        handle._failures = self.failures
         try:
             desc = describe(snapshot)
             segment = buffer.segment
@@ -295,7 +294,7 @@ class RemoteService:
             return
         if error is not None:
             self.failures.add(error)
-        handle._resolve(info, error)
+        handle.resolve(info, error)
         self._slots.release()
 
     def _event(self, message: p.Message) -> None:

@@ -75,7 +75,8 @@ class Staging:
         if self.error is not None:
             raise self.error
 
-    def _finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None) -> None:
+        """End the copy (``error``: it failed); once, by whoever ran it."""
         if error is not None:
             self.error = StagingError(f"copying the state into host memory failed: {error}")
             self.error.__cause__ = error
@@ -153,7 +154,7 @@ class Stager:
         try:
             events = self._issue_cuda([c for c in later if c[0].device.type == "cuda"])
         except BaseException as exc:
-            staging._finish(exc)
+            staging.finish(exc)
             raise
         on_cpu = [c for c in later if c[0].device.type != "cuda"]
         thread = threading.Thread(
@@ -233,7 +234,7 @@ def _finish_copies(staging: Staging, copies: list[Copy], events: list[torch.cuda
             event.synchronize()
         except BaseException as exc:
             error = error or exc
-    staging._finish(error)
+    staging.finish(error)
 
 
 def _copy_and_sync(copies: list[Copy], uses_cuda: bool) -> None:
