@@ -190,7 +190,8 @@ def _default_group_info(process_group: Any) -> tuple[Any, int, int] | None:
                 "process_group was given but torch.distributed is not initialized"
             )
         return None
-    store = distributed_c10d._get_default_store()
+    # torch has no public accessor for the job's store; every rank of the default group has it
+    store = distributed_c10d._get_default_store()  # noqa: SLF001 - torch's, no public accessor
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
     if process_group is not None and world_size != dist.get_world_size():
