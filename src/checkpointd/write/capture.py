@@ -97,6 +97,11 @@ class StagingBuffer:
         """Bytes currently allocated."""
         return 0 if self._arena is None else self._arena.numel()
 
+    @property
+    def pinned(self) -> bool:
+        """True if the arena is in pinned (page-locked) host memory."""
+        return self._arena is not None and self._arena.is_pinned()
+
 
 class BufferPool:
     """Idle staging buffers that writers share (the Lightning plugin's writers, one per
