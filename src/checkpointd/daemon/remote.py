@@ -42,10 +42,12 @@ if TYPE_CHECKING:
 __all__ = ["RemoteService", "open_remote"]
 
 
-def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> RemoteService:
-    """The RemoteService of a writer made with ``service=``; InvalidArgumentError for an
-    option the service does not support yet, ServiceError if no service answers (or,
-    with "auto", none could be started)."""
+def open_remote(
+    writer: WriterBase, max_pending: int, max_concurrency: int, *, pooled: bool = False
+) -> RemoteService:
+    """The RemoteService of a writer made with ``service=`` (``pooled``: with a
+    ``buffer_pool``); InvalidArgumentError for an option the service does not support
+    yet, ServiceError if no service answers (or, with "auto", none could be started)."""
     from checkpointd.write.writer import AsyncCheckpointWriter
 
     unsupported = [
@@ -55,6 +57,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
             ("incremental=True", writer.incremental),
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
+            ("buffer_pool (the service's shared memory is its buffers)", pooled),
         )
         if used
     ]
