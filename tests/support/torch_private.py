@@ -39,4 +39,4 @@ neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view  # noqa: SLF0
 
 def cuda_sleep(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles."""
-    torch.cuda._sleep(cycles)  # noqa: SLF001 - no public busy-wait kernel
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]  # noqa: SLF001 - no public busy-wait kernel

@@ -140,7 +140,7 @@ class _StopAfter:
             handles.append(real_save(self, *args, **kwargs))
             return handles[-1]
 
-        checkpointd.CheckpointWriter.save = save  # type: ignore[method-assign]
+        checkpointd.CheckpointWriter.save = save
 
         class StopAfter(TrainerCallback):  # type: ignore[misc]
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
