@@ -51,9 +51,11 @@ import torch
 from checkpointd.errors import StorageNotFoundError
 from checkpointd.format.codec import decode_tree
 from checkpointd.format.header import TensorEntry
+from checkpointd.read.boxes import Boxes
 from checkpointd.read.landing import Landing, check_pass, land_file
 from checkpointd.read.reader import StepReader
-from checkpointd.read.targets import lands_in_place
+from checkpointd.read.targets import dtensor_lands_in_place, lands_in_place
+from checkpointd.state.shards import is_dtensor
 from checkpointd.state.stateful import component_state, unwrap
 from checkpointd.state.tree import alias_key, map_tree, walk
 from checkpointd.storage.base import PinnedFile
@@ -64,14 +66,26 @@ __all__ = ["Planned", "backup", "land", "lands_in_place", "read_for_restore", "r
 @dataclass
 class Planned:
     """A component read for restore: its tree (direct tensors are the live ones) and
-    what is left to land. ``how`` is ``lands_in_place``'s answer, None for the plain path."""
+    what is left to land: tensor files' ``landings``, DTensor ``boxes``. ``how`` is
+    ``lands_in_place``'s answer, None for the plain path."""
 
     tree: Any
     how: str | None = None
     landings: list[Landing] = field(default_factory=list)
+    boxes: Boxes | None = None
+
+    def lands(self) -> bool:
+        """Whether anything lands straight in the target's tensors after the load."""
+        return bool(self.landings) or self.boxes is not None
 
     def direct_keys(self) -> set[tuple[Any, ...]]:
-        return {alias_key(t) for landing in self.landings for t in landing.direct.values()}
+        keys = {alias_key(t) for landing in self.landings for t in landing.direct.values()}
+        return keys | (self.boxes.keys() if self.boxes is not None else set())
+
+
+def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """``alias_key`` of a tensor, of its local shard for a DTensor."""
+    return alias_key(tensor.to_local() if is_dtensor(tensor) else tensor)  # type: ignore[attr-defined]
 
 
 class _Probe(Mapping[str, torch.Tensor]):
@@ -165,8 +179,10 @@ def read_for_restore(
     the target's own tensors in the returned tree, still holding their old values, and
     are left to ``land``; ``release`` the result when done (it may hold open files)."""
     entry = reader.manifest.components[name]
-    how = None if templates else lands_in_place(target)
     tree_bytes = reader.tree(entry)
+    if templates:
+        return _plan_dtensors(reader, name, target, templates, tree_bytes)
+    how = lands_in_place(target)
     if how is None or not entry.tensors:
         return Planned(reader.component(name, entry, templates, tree=tree_bytes))
     opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]] = {}
@@ -177,6 +193,30 @@ def read_for_restore(
         for pinned, _ in opened.values():
             if pinned is not None:
                 pinned.close()  # those not handed to a landing
+
+
+def _plan_dtensors(
+    reader: StepReader, name: str, target: Any, templates: Mapping[str, Any], tree_bytes: bytes
+) -> Planned:
+    """``read_for_restore`` for a target holding DTensors: its direct boxes (boxes.py)
+    checked while the tree is decoded; read the usual way if the tree does not hold each
+    live DTensor once at its own path."""
+    entry = reader.manifest.components[name]
+    how = dtensor_lands_in_place(target)
+    if how is None or not entry.sharded:
+        return Planned(reader.component(name, entry, templates, tree=tree_bytes))
+    boxes = Boxes(reader)
+    try:
+        tree = reader.component(name, entry, templates, tree=tree_bytes, take=boxes.take)
+        if boxes.boxes and boxes.at_own_paths(tree):
+            return Planned(tree, how, boxes=boxes)
+    except BaseException:
+        boxes.close()
+        raise
+    boxes.close()
+    if not boxes.boxes:
+        return Planned(tree)
+    return Planned(reader.component(name, entry, templates, tree=tree_bytes))
 
 
 def _open(
@@ -258,7 +298,7 @@ def backup(target: Any, planned: Planned) -> Any:
     adopt = planned.how == "adopt"
 
     def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        if adopt or alias_key(tensor) in keep:
+        if adopt or _key(tensor) in keep:
             return tensor
         return tensor.detach().to("cpu", copy=True)
 
@@ -271,10 +311,10 @@ def backup(target: Any, planned: Planned) -> Any:
 def still_held(target: Any, planned: Planned) -> bool:
     """After the load: whether ``target`` still holds every direct tensor (so landing its
     bytes restores it). A safety net: true for every kind ``lands_in_place`` accepts."""
-    if not planned.landings:
+    if not planned.lands():
         return True
     held = {
-        alias_key(leaf)
+        _key(leaf)
         for _, leaf in walk(component_state(target, "check"))
         if isinstance(leaf, torch.Tensor)
     }
@@ -291,6 +331,8 @@ def land(where: str, planned: Planned) -> None:
             # As an in-place copy would: autograd then refuses a backward through a
             # graph that saved the old values, instead of using the new ones silently.
             torch.autograd.graph.increment_version(live)
+    if planned.boxes is not None:
+        planned.boxes.land(where)
 
 
 def release(planned: list[Planned]) -> None:
@@ -302,3 +344,5 @@ def release(planned: list[Planned]) -> None:
                 pinned.close()
             landing.source = None
             landing.kept = []
+        if item.boxes is not None:
+            item.boxes.close()

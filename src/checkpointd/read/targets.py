@@ -19,25 +19,30 @@ def _from_torch(method: Any) -> bool:
 
 
 def _fsdp_hook(hook: Any) -> bool:
-    """A load post-hook FSDP2 registers per parameter: it re-points its sharded
-    parameter at the loaded local tensor, a no-op when that tensor is its own."""
+    """A hook FSDP2 registers itself: per parameter, a load post-hook that re-points its
+    sharded parameter at the loaded local tensor (a no-op when that tensor is its own);
+    per parameter group, a state-dict and a load pre-hook that reshard the parameters
+    first (``to_sharded_hook``). None of them touches a tensor's values."""
+    hook = getattr(hook, "hook", hook)  # torch wraps module-taking hooks (_WrappedHook)
     qualname = str(getattr(hook, "__qualname__", ""))
     module = str(getattr(hook, "__module__", ""))
-    return qualname.startswith("FSDPParam.") and module.startswith("torch.distributed.fsdp.")
+    return qualname.startswith("FSDPParam") and module.startswith("torch.distributed.fsdp.")
 
 
 def _plain_module(module: torch.nn.Module, *, fsdp2: bool = False) -> bool:
     """No hooks, no extra state, and torch's own state-dict methods in every submodule:
     then ``load_state_dict`` copies each stored tensor into the live one, nothing else.
-    ``fsdp2``: FSDP2's own load post-hooks (``fully_shard``) are allowed too."""
+    ``fsdp2``: FSDP2's own hooks (``_fsdp_hook``) are allowed too."""
     for sub in module.modules():
         kind = type(sub)
-        posts = sub._load_state_dict_post_hooks.values()
+        hooks = [
+            *sub._load_state_dict_pre_hooks.values(),
+            *sub._load_state_dict_post_hooks.values(),
+            *sub._state_dict_pre_hooks.values(),
+        ]
         if (
-            sub._load_state_dict_pre_hooks
-            or not all(fsdp2 and _fsdp_hook(hook) for hook in posts)
+            not all(fsdp2 and _fsdp_hook(hook) for hook in hooks)
             or sub._state_dict_hooks
-            or sub._state_dict_pre_hooks
             or kind.get_extra_state is not torch.nn.Module.get_extra_state
             or not all(
                 _from_torch(getattr(kind, attr))
