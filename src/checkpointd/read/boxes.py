@@ -8,7 +8,7 @@ rank's box are read into the local shard's memory once, after every check has pa
 The order is inplace.py's, per block instead of per file (shards carry one CRC32C per
 ``block_bytes`` block):
 
-1. **check pass** (``Boxes.take``, while decoding; nothing changes): every block of every
+1. **check pass** (``Boxes.take`` while decoding, then ``Boxes.check``; nothing changes): every block of every
    shard the box overlaps is read through two reused block buffers and checked against
    its CRC32C. The shard files stay pinned (``Store.open_pinned``), so retention or ``gc``
    deleting them meanwhile changes nothing; on a store that cannot pin, the box's part of
@@ -122,9 +122,9 @@ class Boxes:
         return {alias_key(b.local) for b in self.boxes.values()}
 
     def take(self, name: str, template: Any, sharded: ShardedTensor) -> torch.Tensor | None:
-        """``template`` itself once the blocks its box overlaps pass the check pass, if its
-        local shard can take them directly; None to read it the usual way (which also
-        reports a shape mismatch or a damaged entry). Raises CorruptCheckpointError."""
+        """``template`` itself if its local shard can take its stored box directly (``check``
+        then checks the blocks); None to read it the usual way (which also reports a
+        shape mismatch or a damaged entry). Raises CorruptCheckpointError."""
         from checkpointd.format.codec import dtype_by_name
 
         if name in self.boxes or tuple(sharded.shape) != tuple(template.shape):
@@ -149,8 +149,6 @@ class Boxes:
             item.parts.append(_Part(shard, part, span.lo, span.hi, span.total, contiguous))
         if sum(math.prod(p.part[1]) for p in item.parts) != local.numel():
             return None  # the shards do not cover the box: the usual path reports it
-        for piece in item.parts:
-            self._check(item, piece)
         self.boxes[name] = item
         start = local.data_ptr()
         self._spans.append((start, start + local.numel() * local.element_size()))
@@ -198,23 +196,40 @@ class Boxes:
         block, total = piece.shard.block_bytes, piece.total
         return [(i * block, min((i + 1) * block, total)) for i in range(piece.lo, piece.hi)]
 
-    def _check(self, item: _Box, piece: _Part) -> None:
-        """The check pass over ``piece``: its blocks checked through the block buffers
-        (pinned), or its part read into fresh memory and kept (not pinned)."""
-        shard = piece.shard
-        if self._pin(shard.file) is None:
-            piece.kept = self.reader.shard_part(shard, item.dtype, piece.part)
-            return
-        if not self.reader.verify:
-            return
-        spans: list[Span] = [
-            (self._buffer(i % 2, end - begin), shard.begin + begin)
-            for i, (begin, end) in enumerate(self._blocks(piece))
-        ]
-        for index, digest in zip(
-            range(piece.lo, piece.hi), crc32c_each(spans, self._read(shard.file)), strict=True
-        ):
-            self.reader.check_block(shard, index, digest)
+    def _by_file(self) -> dict[str, list[tuple[_Box, _Part]]]:
+        """Every piece by shard file, in file order (one stream per file)."""
+        found: dict[str, list[tuple[_Box, _Part]]] = {}
+        for item in self.boxes.values():
+            for piece in item.parts:
+                found.setdefault(piece.shard.file, []).append((item, piece))
+        for pieces in found.values():
+            pieces.sort(key=lambda p: p[1].shard.begin + p[1].lo * p[1].shard.block_bytes)
+        return found
+
+    def check(self) -> None:
+        """The check pass (module doc, step 1) over every piece taken: on a pinned file
+        its blocks are streamed through the two block buffers and checked (one stream
+        per file); elsewhere its part is read into fresh memory, checked and kept.
+        CorruptCheckpointError if a block differs; nothing live changes."""
+        for file, pieces in self._by_file().items():
+            if self._pin(file) is None:
+                for item, piece in pieces:
+                    piece.kept = self.reader.shard_part(piece.shard, item.dtype, piece.part)
+                continue
+            if not self.reader.verify:
+                continue
+            spans: list[Span] = []
+            owners: list[tuple[_Part, int]] = []
+            for _, piece in pieces:
+                for index, (begin, end) in zip(
+                    range(piece.lo, piece.hi), self._blocks(piece), strict=True
+                ):
+                    view = self._buffer(len(spans) % 2, end - begin)
+                    spans.append((view, piece.shard.begin + begin))
+                    owners.append((piece, index))
+            digests = crc32c_each(spans, self._read(file))
+            for (piece, index), digest in zip(owners, digests, strict=True):
+                self.reader.check_block(piece.shard, index, digest)
 
     def at_own_paths(self, tree: Any) -> bool:
         """Whether ``tree`` holds each direct DTensor exactly once, at the path it was
@@ -231,52 +246,57 @@ class Boxes:
                 seen[name] = seen.get(name, 0) + 1
         return all(seen.get(name) == 1 for name in self.boxes)
 
-    def still_held(self, held: set[tuple[Any, ...]]) -> bool:
-        return self.keys() <= held
-
     def land(self, where: str) -> None:
         """Read every direct box into its local shard (see the module doc, step 3)."""
+        for file, pieces in self._by_file().items():
+            self._land_file(where, file, pieces)
         for item in self.boxes.values():
-            for piece in item.parts:
-                self._land(where, item, piece)
             torch.autograd.graph.increment_version(item.local)
 
-    def _land(self, where: str, item: _Box, piece: _Part) -> None:
-        if piece.kept is not None:
-            item.local[self._where(item.box, piece.part)].copy_(piece.kept)
-            return
-        shard = piece.shard
-        read = self._read(shard.file)
-        if piece.contiguous is None:
-            fresh = self.reader.shard_part(shard, item.dtype, piece.part, read)
-            item.local[self._where(item.box, piece.part)].copy_(fresh)
-            return
-        begin, end, at = piece.contiguous
-        local = bytes_of(item.local)
+    def _land_file(self, where: str, file: str, pieces: list[tuple[_Box, _Part]]) -> None:
+        """``land`` for the pieces of one shard file: kept ones copied, strided ones read
+        fresh (checked) and copied, contiguous ones in one stream, straight into the
+        local shards but for the blocks at their edges (through the block buffers)."""
         spans: list[Span] = []
-        edges: dict[int, tuple[int, int, int]] = {}  # span -> (from, to, local offset)
-        for lo, hi in self._blocks(piece):
-            if begin <= lo and hi <= end:
-                spans.append((local[at + lo - begin : at + hi - begin], shard.begin + lo))
+        owners: list[tuple[_Box, _Part, int]] = []
+        edges: dict[int, tuple[memoryview, int, int, int]] = {}  # span -> (dest, from, to, at)
+        for item, piece in pieces:
+            if piece.kept is not None:
+                item.local[self._where(item.box, piece.part)].copy_(piece.kept)
                 continue
-            a, b = max(lo, begin), min(hi, end)
-            edges[len(spans)] = (a - lo, b - lo, at + a - begin)
-            spans.append((self._buffer(len(edges) % 2, hi - lo), shard.begin + lo))
+            shard = piece.shard
+            if piece.contiguous is None:
+                fresh = self.reader.shard_part(shard, item.dtype, piece.part, self._read(file))
+                item.local[self._where(item.box, piece.part)].copy_(fresh)
+                continue
+            begin, end, at = piece.contiguous
+            local = bytes_of(item.local)
+            for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
+                owners.append((item, piece, index))
+                if begin <= lo and hi <= end:
+                    spans.append((local[at + lo - begin : at + hi - begin], shard.begin + lo))
+                    continue
+                a, b = max(lo, begin), min(hi, end)
+                edges[len(spans)] = (local, a - lo, b - lo, at + a - begin)
+                spans.append((self._buffer(len(edges) % 2, hi - lo), shard.begin + lo))
+        if not spans:
+            return
 
         def after(i: int, view: memoryview) -> None:
             edge = edges.get(i)
             if edge is not None:
-                a, b, to = edge
+                local, a, b, to = edge
                 local[to : to + b - a] = view[a:b]
 
-        digests = crc32c_each(spans, read, after)
-        for index, digest in zip(range(piece.lo, piece.hi), digests, strict=True):
-            if digest != shard.crc32c[index]:
+        digests = crc32c_each(spans, self._read(file), after)
+        for (item, piece, index), digest in zip(owners, digests, strict=True):
+            expected = piece.shard.crc32c[index]
+            if digest != expected:
                 raise CorruptCheckpointError(
-                    f"{where}/{shard.file}: CRC32C {digest:08x} of block {index} of the shard "
-                    f"at {shard.offsets} read into the live tensor {item.name!r} does not "
-                    f"match the manifest's {shard.crc32c[index]:08x} (the file changed while "
-                    "it was being restored)"
+                    f"{where}/{file}: CRC32C {digest:08x} of block {index} of the shard at "
+                    f"{piece.shard.offsets} read into the live tensor {item.name!r} does not "
+                    f"match the manifest's {expected:08x} (the file changed while it was "
+                    "being restored)"
                 )
 
     @staticmethod

@@ -209,6 +209,7 @@ def _plan_dtensors(
     try:
         tree = reader.component(name, entry, templates, tree=tree_bytes, take=boxes.take)
         if boxes.boxes and boxes.at_own_paths(tree):
+            boxes.check()
             return Planned(tree, how, boxes=boxes)
     except BaseException:
         boxes.close()

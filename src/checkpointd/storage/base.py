@@ -268,7 +268,7 @@ class Store(ABC):
         is long enough (else left as it is: the caller reports the mismatch). Stores whose
         reads tell the size anyway (S3's Content-Range) save the separate size request."""
         size = self.size(path)
-        if offset + len(buffer) <= size:
+        if len(buffer) and offset + len(buffer) <= size:
             self.read_into(path, buffer, offset)
         return size
 
