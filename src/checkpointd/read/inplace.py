@@ -1,6 +1,7 @@
 """Restore straight into live memory: which stored tensors land in a target's own tensors
 (targets.py says which targets qualify), the plan, the backup and the landing order;
-landing.py does the two passes over each file.
+landing.py does the two passes over each file, boxes.py the same per shard block for
+targets holding DTensors (each rank's boxes land in its local shards).
 
 ``restore`` (restore.py) reads a component through ``read_for_restore``. For a target
 whose ``load_state_dict`` is known to either copy each tensor into its own memory
