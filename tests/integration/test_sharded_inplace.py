@@ -1,7 +1,8 @@
 """FSDP2 restores read each rank's boxes straight into its local shards (read/boxes.py),
 all or nothing: 2 real gloo ranks save (tests/support/inplace_job.py); 2 and 3 ranks
 restore into the very tensors they hold, bit for bit; a damaged block, or a target that
-refuses after the model and optimizer were loaded, leaves the rank as it was."""
+refuses after the model and optimizer were loaded, leaves the rank as it was; a shard
+file changed after the check pass is reported by the landing."""
 
 from __future__ import annotations
 
@@ -80,3 +81,16 @@ def test_a_damaged_last_block_leaves_the_rank_that_reads_it_as_it_was(
     assert "CRC32C" in reports[1]["message"]
     assert reports[1]["unchanged"], reports[1]
     assert reports[1]["landed"] == 0, reports[1]
+
+
+def test_a_shard_file_changed_after_the_check_pass_is_reported(
+    saved: tuple[str, Path], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    reports = _job("scribble", str(root), tmp_path / "scribble", 2)
+    for report in reports:
+        assert report["error"] == "CorruptCheckpointError", report
+        assert "changed while" in report["message"], report
+        assert "'model'" in report["message"], report  # the component that may be part restored
+        assert report["same_memory"], report

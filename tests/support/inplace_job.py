@@ -7,8 +7,9 @@ with a ``picky`` component (count 2); rank 0 writes OUT/save.pt (the gathered st
 The other actions build the model from another seed and train it one step (so the
 optimizer has state), then restore with targets ``model``, ``optimizer`` and
 ``picky``: ``restore`` (Picky(2), must succeed), ``refused`` (Picky(9) refuses a count
-of 2 after the model and optimizer were loaded) or ``damaged`` (the test damaged a
-shard file first). Rank 0 writes OUT/{ACTION}.pt, the gathered state after it. Every
+of 2 after the model and optimizer were loaded), ``damaged`` (the test damaged a
+shard file first) or ``scribble`` (a byte of the model's shard file flipped after its
+check pass: the landing must notice). Rank 0 writes OUT/{ACTION}.pt, the gathered state after it. Every
 rank writes OUT/rankR.json: ``ok``, ``error``, ``message``, ``landed`` (direct DTensors
 read into their local shards), ``same_memory`` (every local shard of the model and the
 optimizer is the tensor it was before), ``unchanged`` (those local shards hold what they held before).
@@ -53,6 +54,27 @@ def _locals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return found
 
 
+def _scribble_after_check(root: str) -> None:
+    """Make the model's check pass flip the last byte of its last piece's file."""
+    checked = boxes.Boxes.check
+
+    def then_scribble(self: boxes.Boxes) -> None:
+        checked(self)
+        # After the model's check pass: flip the last byte of its last piece's file.
+        if any(name.endswith("weight") for name in self.boxes):
+            piece = list(self.boxes.values())[-1].parts[-1]
+            path = os.path.join(root, f"{1:012d}", piece.shard.file)
+            at = piece.shard.begin + piece.total - 1
+            os.chmod(path, 0o644)
+            with open(path, "r+b") as f:
+                f.seek(at)
+                byte = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([byte ^ 0xFF]))
+
+    boxes.Boxes.check = then_scribble  # type: ignore[method-assign]
+
+
 def main() -> None:
     action, root, out, rank_s, world_s, port = sys.argv[1:]
     rank, world = int(rank_s), int(world_s)
@@ -68,6 +90,8 @@ def main() -> None:
         original(self, where)
 
     boxes.Boxes.land = counted  # type: ignore[method-assign]
+    if action == "scribble":
+        _scribble_after_check(root)
     if action == "save":
         model, optimizer = build("fsdp2", world, seed=0)
         train(model, optimizer, 2)
