@@ -288,7 +288,8 @@ class StepReader:
         lo, hi = first * size // block, -(-(last + 1) * size // block)
         if hi > len(shard.crc32c) or total > shard.block_bytes * len(shard.crc32c):
             raise CorruptCheckpointError(
-                f"{self._label(shard)}: the shard at {shard.offsets} has too few block digests"
+                f"{self.where}/{shard.file or blob_path(shard.blob)}: the shard at "
+                f"{shard.offsets} has too few block digests"
             )
         return ShardSpan(tuple(strides), first, last, lo, hi, total)
 
@@ -296,7 +297,7 @@ class StepReader:
         """CorruptCheckpointError unless ``actual`` is block ``index``'s CRC32C."""
         if actual != shard.crc32c[index]:
             raise CorruptCheckpointError(
-                f"{self._label(shard)}: block {index} of the shard at "
+                f"{self.where}/{shard.file or blob_path(shard.blob)}: block {index} of the shard at "
                 f"{shard.offsets} has CRC32C {actual:08x}, the manifest "
                 f"{shard.crc32c[index]:08x}"
             )
@@ -321,7 +322,7 @@ class StepReader:
         view = data.numpy().data.cast("B")
         path = f"{self.folder}/{shard.file}"
         try:
-            if shard.blob:  # a shared blob (schema 3): ``read`` is for step files only
+            if shard.blob:  # ``read`` is for step files only
                 self.store.read_into(self._blob_shard(shard, span.total), view, begin)
             elif read is None and shard.file not in self._sized:
                 self._read_sized(shard.file, view, shard.begin + begin)
@@ -339,24 +340,17 @@ class StepReader:
         offset = flat.storage_offset() + span.first - begin // dtype.itemsize
         return flat.as_strided(part[1], span.strides, offset)
 
-    def _label(self, shard: ShardEntry) -> str:
-        """Where ``shard``'s bytes are, for messages."""
-        return f"{self.where}/{shard.file or blob_path(shard.blob)}"
-
     def _blob_shard(self, shard: ShardEntry, nbytes: int) -> str:
-        """The path of ``shard``'s blob (of ``nbytes`` bytes), after checking its size
-        against the manifest on its first read."""
-        path = blob_path(shard.blob)
+        """``shard``'s blob, its size checked against the manifest on its first read."""
         if shard.blob not in self._sized:
-            listed = self.blobs[shard.blob].size
-            size = self.store.size(path)
-            if nbytes != listed or size != listed:
+            size, listed = self.store.size(blob_path(shard.blob)), self.blobs[shard.blob].size
+            if not nbytes == size == listed:
                 raise CorruptCheckpointError(
-                    f"{self.store.url.rstrip('/')}/{path} (used by {self.where}): size {size}, "
-                    f"the manifest lists {listed} and the shard at {shard.offsets} needs {nbytes}"
+                    f"{self.where}: blob {shard.blob} holds {size} bytes, the manifest lists "
+                    f"{listed}, the shard at {shard.offsets} needs {nbytes}"
                 )
             self._sized.add(shard.blob)
-        return path
+        return blob_path(shard.blob)
 
     def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
         """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
