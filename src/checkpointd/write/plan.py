@@ -27,6 +27,7 @@ from typing import Any, TypeAlias
 from checkpointd import tunables
 from checkpointd.format.checksum import BytesLike, crc32c
 from checkpointd.format.codec import encode_tree
+from checkpointd.format.dtypes import encode_dtype
 from checkpointd.format.header import encode_safetensors_header
 from checkpointd.format.layout import (
     DIRECT_ALIGN,
@@ -174,7 +175,7 @@ def plan_shards(
     loop. Used by full and incremental saves alike."""
     buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
-        s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
+        s.name: ShardedTensor(encode_dtype(s.dtype, "name"), list(s.shape), [])
         for s in component.shards
     }
     if not component.shard_entries:
