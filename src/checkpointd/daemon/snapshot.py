@@ -1,7 +1,7 @@
 """A snapshot and its description: the trainer describes what it captured into a segment,
 the service rebuilds the very ``plan.Snapshot`` an in-process save would write.
 
-The trees travel encoded (``format.encode_tree``) and come back as ``msgspec.Raw``,
+The trees travel encoded (``codec.encode_tree``) and come back as ``msgspec.Raw``,
 which the plan's ``encode_tree`` writes out byte for byte: the files are the same
 as an in-process save's. Every offset, size and name is checked against the
 segment before the service trusts it. ``held_checkpoint`` is what the memory tier

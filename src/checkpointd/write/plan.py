@@ -72,7 +72,7 @@ class WriteFile:
     """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
 
     ``component`` is the component it belongs to (for messages), ``rank`` the rank
-    that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
+    that writes it (recorded in the manifest; ranks.commit.assign_ranks sets it).
     ``own``: the file holds this rank's shards, so this rank writes it and no other
     rank has a copy to compare it with.
     """
