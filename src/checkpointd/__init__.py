@@ -42,7 +42,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 
-def _import_lazily(name: str) -> object:
+def __getattr__(name: str) -> _typing.Any:
     """Import a public name's home module on first use; or a submodule of that name."""
     home = _HOME_OF.get(name)
     if home is not None:
@@ -58,7 +58,7 @@ def _import_lazily(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _names() -> list[str]:
+def __dir__() -> list[str]:
     return sorted({*globals(), *_HOME_OF})
 
 
@@ -86,13 +86,10 @@ if _typing.TYPE_CHECKING:
     from checkpointd.write.writer import CheckpointWriter as CheckpointWriter
     from checkpointd.write.writer import SaveHandle as SaveHandle
 else:
-    # Hidden from type checkers. mypy reads only a literal __all__ and would take this
-    # derived one as empty, making every name above private; and a visible __getattr__
-    # would type a name missing above as Any instead of an error.
+    # Hidden from type checkers: mypy reads only a literal __all__ and would take this
+    # derived one as empty, making every name above private.
     from checkpointd import errors
 
     __all__ = ["__version__"]
     __all__ += errors.__all__
     __all__.extend(_HOME_OF)
-    __getattr__ = _import_lazily
-    __dir__ = _names

@@ -15,15 +15,15 @@ SRC = pathlib.Path(checkpointd.__file__).parent
 
 
 def test_mypy_sees_every_public_name_with_its_type(tmp_path: pathlib.Path) -> None:
-    """What a user's mypy --strict sees: each name importable (re-exported) and typed,
-    none Any (a missing one would be an error: __getattr__ is hidden from mypy)."""
+    """What a user's mypy --strict sees: each name importable (re-exported) and typed.
+    A name missing from __init__'s TYPE_CHECKING block would be Any (through the
+    module's __getattr__), a derived __all__ seen by mypy an export error."""
     pytest.importorskip("mypy")
     names = sorted(checkpointd.__all__)
     probe = tmp_path / "probe.py"
     probe.write_text(
         f"from checkpointd import {', '.join(names)}\n"
         + "".join(f"reveal_type({n})\n" for n in names)
-        + "import checkpointd\ncheckpointd.no_such_name\n"
     )
     # MYPYPATH: this checkout's package, whatever the environment has installed.
     env = {**os.environ, "MYPYPATH": str(SRC.parent)}
@@ -34,8 +34,6 @@ def test_mypy_sees_every_public_name_with_its_type(tmp_path: pathlib.Path) -> No
     out = done.stdout + done.stderr
     lines = out.splitlines()
     revealed = [line for line in lines if "Revealed type is" in line]
-    errors_seen = [line for line in lines if ": error:" in line]
     assert len(revealed) == len(names), out
     assert not [line for line in revealed if '"Any"' in line], out
-    assert len(errors_seen) == 1, out
-    assert "no_such_name" in errors_seen[0], out
+    assert not [line for line in lines if ": error:" in line], out
