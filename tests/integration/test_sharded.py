@@ -140,13 +140,17 @@ def test_sharded_tensors_read_either_dtype_spelling(
     shutil.copytree(fsdp2_on_2[0], root)
     path = root / step_dirname(1) / "manifest.json"
     manifest = decode_manifest(path.read_bytes())
+
+    def as_code(name: str) -> str:
+        dtype = decode_dtype(name)
+        assert dtype is not None, name
+        return encode_dtype(dtype, "code")
+
     components = {
         name: msgspec.structs.replace(
             entry,
             sharded={
-                tensor: msgspec.structs.replace(
-                    sharded, dtype=encode_dtype(decode_dtype(sharded.dtype), "code")
-                )
+                tensor: msgspec.structs.replace(sharded, dtype=as_code(sharded.dtype))
                 for tensor, sharded in entry.sharded.items()
             },
         )
