@@ -99,10 +99,10 @@ def test_intersect_boxes() -> None:
 
 def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
     from checkpointd.errors import RankFailedError
-    from checkpointd.ranks.commit import _merge_shards, _Share
+    from checkpointd.ranks.merge import Share, _merge_shards
 
-    def share(*shards: ShardEntry, dtype: str = "float32") -> _Share:
-        return _Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
+    def share(*shards: ShardEntry, dtype: str = "float32") -> Share:
+        return Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
 
     entry = ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor()})
     top, bottom = shard([0, 0], [2, 6]), shard([2, 0], [2, 6], file="m.t.rank1.safetensors")
