@@ -53,7 +53,7 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import Share, Summary, merged_manifest
+from checkpointd.ranks.merge import Share, Summary, merged_manifest, written_shards
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
 from checkpointd.write.commit import (
@@ -219,11 +219,7 @@ async def _write_share(
     mine = [f for f in assigned if f.rank == group.rank]
     await write_files(store, plan.step, mine, limiter, streamed=streamed, committed=committed)
     own = {key: plan.components[key] for key in plan.per_rank}
-    sharded = {
-        name: entry.sharded
-        for name, entry in plan.components.items()
-        if entry.sharded and name not in plan.per_rank
-    }
+    sharded = written_shards(plan.components, plan.per_rank)
     share = Share(committed, own, plan.per_rank, sharded)
     await anyio.to_thread.run_sync(attempt.post, "files", share)
 

@@ -8,6 +8,9 @@ size does not grow with the ranks). Pure functions of posted values; any thread.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import msgspec
 
 from checkpointd.errors import RankFailedError
@@ -17,6 +20,7 @@ from checkpointd.format.manifest import (
     FileEntry,
     Manifest,
     ShardedTensor,
+    ShardEntry,
     shard_problem,
 )
 from checkpointd.maintain.retention import WriterIdentity
@@ -24,7 +28,7 @@ from checkpointd.ranks.group import rank_key
 from checkpointd.write.commit import manifest_of
 from checkpointd.write.plan import SavePlan
 
-__all__ = ["Share", "Summary", "merged_manifest"]
+__all__ = ["Share", "Summary", "merged_manifest", "written_shards"]
 
 
 class Share(msgspec.Struct, frozen=True):
@@ -35,7 +39,8 @@ class Share(msgspec.Struct, frozen=True):
     components: dict[str, ComponentEntry]
     per_rank: dict[str, str]
     sharded: dict[str, dict[str, ShardedTensor]] = msgspec.field(default_factory=dict)
-    """Per replicated component, its sharded tensors with the shards this rank wrote."""
+    """Per replicated component, its sharded tensors with the shards this rank wrote
+    (``written_shards``: only the tensors it wrote, its non-empty shards)."""
 
 
 class Summary(msgspec.Struct, frozen=True):
@@ -89,26 +94,46 @@ def merged_manifest(
     )
 
 
+def written_shards(
+    components: Mapping[str, ComponentEntry], per_rank: Mapping[str, str]
+) -> dict[str, dict[str, ShardedTensor]]:
+    """What a rank posts of its sharded tensors: per replicated component, the tensors it
+    wrote shards of, without its empty shards (the shards other replicas write and the
+    empty tail chunks of small tensors would grow every post with the job)."""
+    posted: dict[str, dict[str, ShardedTensor]] = {}
+    for name, entry in components.items():
+        if name in per_rank:
+            continue
+        for tensor, sharded in entry.sharded.items():
+            shards = [s for s in sharded.shards if math.prod(s.shape)]
+            if shards:
+                posted.setdefault(name, {})[tensor] = ShardedTensor(
+                    sharded.dtype, sharded.shape, shards
+                )
+    return posted
+
+
 def _merge_shards(
     step: int, name: str, entry: ComponentEntry, shares: list[Share]
 ) -> ComponentEntry:
     """``entry`` with the shards every rank wrote of its sharded tensors; raises
     RankFailedError unless they tile each tensor exactly (ranks that disagree on a
-    DTensor's shape or placements)."""
+    DTensor's shape or placements). Linear in the shards posted and the ranks."""
     if not entry.sharded:
         return entry
-    merged: dict[str, ShardedTensor] = {}
-    for tensor, mine in entry.sharded.items():
-        shards = []
-        for share in shares:
-            theirs = share.sharded.get(name, {}).get(tensor)
-            if theirs is None or (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape):
+    gathered: dict[str, list[ShardEntry]] = {tensor: [] for tensor in entry.sharded}
+    for share in shares:
+        for tensor, theirs in share.sharded.get(name, {}).items():
+            mine = entry.sharded.get(tensor)
+            if mine is None or (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape):
                 raise RankFailedError(
                     f"the save of step {step} failed: ranks disagree on DTensor "
                     f"{name}/{tensor} (its dtype and global shape must be the same on every rank)"
                 )
-            shards += theirs.shards
-        merged[tensor] = ShardedTensor(mine.dtype, mine.shape, shards)
+            gathered[tensor] += theirs.shards
+    merged: dict[str, ShardedTensor] = {}
+    for tensor, mine in entry.sharded.items():
+        merged[tensor] = ShardedTensor(mine.dtype, mine.shape, gathered[tensor])
         if problem := shard_problem(merged[tensor]):
             raise RankFailedError(
                 f"the save of step {step} failed: the shards of DTensor {name}/{tensor} do not "
