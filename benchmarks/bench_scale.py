@@ -1,7 +1,7 @@
 """Scale model of the many-rank commit: 8 to 16,384 simulated ranks on one real TCPStore.
 
 Run: ``python -m benchmarks.bench_scale`` (the sweep, minutes) or ``--quick`` (3 rank
-counts, seconds). Per rank count and layout (``scale_layout``: Llama-3-70B with AdamW
+counts, seconds; ``--unchunked`` posts every store value in one piece, as before). Per rank count and layout (``scale_layout``: Llama-3-70B with AdamW
 state as FSDP2 over every rank, and as HSDP with shards over ``--shard-group`` ranks
 replicated over the rest), against a ``torch.distributed.TCPStore`` served by this
 process:
@@ -246,42 +246,39 @@ def run_case(world: int, kind: str, shard_group: int, clients: int, folder: Path
     return row
 
 
-COLUMNS = (
-    ("ranks", "ranks", "{}"),
-    ("layout", "layout", "{}"),
-    ("shards", "shards in manifest", "{:,}"),
-    ("manifest_bytes", "manifest MB", None),
-    ("publisher_s", "publisher s (reads+merge+encode)", "{:.3f}"),
-    ("merge_s", "merge s", "{:.3f}"),
-    ("decode_s", "decode s", None),
-    ("read_ops", "publisher store reads", "{:,}"),
-    ("post_bytes_median", "post KB/rank", None),
-    ("post_s_median", "post ms/rank", None),
-    ("follower_ops", "follower store ops", "{:,}"),
+def _cells(row: dict[str, Any]) -> list[str]:
+    """A row of the README's table."""
+    mb = row["manifest_bytes"] / 1e6
+    return [
+        f"{row['ranks']:,}",
+        row["layout"],
+        f"{row['shards']:,}",
+        f"**{mb:,.1f} refused**" if row.get("refused") else f"{mb:,.1f}",
+        f"{row['publisher_s']:.2f}",
+        f"{row['publisher_s'] / max(row['shards'], 1) * 1e6:.0f}",
+        f"{row['read_ops']:,}",
+        f"{row['post_bytes_median'] / 1e3:,.1f}",
+        str(row["follower"]["calls"].get("get", 0)),
+    ]
+
+
+TITLES = (
+    "ranks",
+    "layout",
+    "shards in manifest",
+    "manifest MB",
+    "publisher s",
+    "µs / shard",
+    "publisher store reads",
+    "post KB / rank",
+    "follower gets",
 )
-
-
-def _cell(row: dict[str, Any], key: str, fmt: str | None) -> str:
-    value = row.get(key)
-    if key == "manifest_bytes":
-        mb = value / 1e6
-        return f"**{mb:,.1f} (refused)**" if row.get("refused") else f"{mb:,.1f}"
-    if key == "decode_s":
-        return "refused" if value is None else f"{value:.3f}"
-    if key == "post_bytes_median":
-        return f"{value / 1e3:,.1f}"
-    if key == "post_s_median":
-        return f"{value * 1e3:.2f}"
-    assert fmt is not None
-    return fmt.format(value)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |"]
-    lines.append("|" + "---|" * len(COLUMNS))
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row, k, f) for k, _, f in COLUMNS) + " |")
+    lines = ["| " + " | ".join(TITLES) + " |", "|" + "---|" * len(TITLES)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -324,10 +321,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
     parser.add_argument("--shard-group", type=int, default=64, help="HSDP: ranks per shard group")
     parser.add_argument("--clients", type=int, default=8, help="store connections posting")
+    parser.add_argument(
+        "--unchunked",
+        action="store_true",
+        help="post every value in one piece, as checkpointd did before ranks/values.py",
+    )
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=RESULTS / "scale.json")
     parser.add_argument("--plot", type=Path, default=RESULTS / "scale.png")
     args = parser.parse_args(argv)
+    if args.unchunked:
+        tunables.STORE_VALUE_BYTES = 2**62
     ranks = args.ranks or (QUICK if args.quick else SWEEP)
     shard_group = 8 if args.quick else args.shard_group
     rows: list[dict[str, Any]] = []
@@ -340,7 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["follower_ops"] = row["follower"]["ops"]
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-                if row.get("refused") and kind == "fsdp":
+                for side in ("publisher", "follower"):
+                    if f"{side}_error" in row:
+                        print(f"  {side}: {row[side + '_error']}", flush=True)
+                if (row.get("refused") or "publisher_error" in row) and kind == "fsdp":
                     break  # larger jobs of this layout only refuse more
     print(table(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
