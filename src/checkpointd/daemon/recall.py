@@ -43,8 +43,10 @@ def restore_held(
     storage_options: Mapping[str, Any] | None,
     strict: bool,
     service: str,
+    place: tuple[int, int] = (0, 1),
 ) -> RestoreInfo | None:
-    """Restore from the service's memory tier, or None where storage must be read."""
+    """Restore from the service's memory tier, or None where storage must be read;
+    ``place`` as for ``restore_from``."""
     store = open_store(root, storage_options)
     try:
         found = newest_committed(store) if step is None else step
@@ -75,7 +77,7 @@ def restore_held(
             return None  # storage's step is not the one the service committed
         held = MemoryStore.over(store.url, step_dirname(found), manifest, reply.files, mapped)
         try:
-            return restore_from(held, targets, found, strict, source="memory")
+            return restore_from(held, targets, found, strict, source="memory", place=place)
         except (CorruptCheckpointError, CheckpointNotFoundError):
             return None  # a damaged or partial copy: storage decides
     finally:

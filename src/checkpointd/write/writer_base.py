@@ -73,7 +73,9 @@ class WriterBase:
 
     ``process_group``: with torch.distributed initialized, None (default) means every
     rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see the README, "Many ranks");
+    writer and calls ``save`` with the same step; see the README, "Many ranks"); a
+    process group (``new_group``: a pipeline stage, a subset of ranks) means its ranks
+    alone save together, and other ranks need not make a writer;
     ``checkpointd.LOCAL`` makes this process save alone.
 
     ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
@@ -154,7 +156,8 @@ class WriterBase:
             raise StorageError(
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
-        self._ranks = _group(process_group)
+        self._ranks = _group(process_group, local or self._store.url.rstrip("/"))
+        self._process_group = process_group  # restore's place: this rank in this group
         if incremental and self._ranks is not None:
             self._ranks.close()
             self._store.close()
@@ -378,7 +381,12 @@ class WriterBase:
 
     def _restore(self, targets: Mapping[str, Any], step: int | None, strict: bool) -> RestoreInfo:
         return restore(
-            self.root, targets, step, storage_options=self.storage_options, strict=strict
+            self.root,
+            targets,
+            step,
+            storage_options=self.storage_options,
+            strict=strict,
+            process_group=self._process_group,
         )
 
 
@@ -389,12 +397,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _group(process_group: Any) -> Group | None:
-    """The group a writer saves with: none (alone) unless torch.distributed is initialized
-    with more than one rank and ``process_group`` is not LOCAL. Imports
-    torch.distributed only when it is in use."""
+def _group(process_group: Any, root: str) -> Group | None:
+    """The group a writer of ``root`` saves with: none (alone) unless torch.distributed is
+    initialized with more than one rank in ``process_group`` and it is not LOCAL.
+    Imports torch.distributed only when it is in use."""
     if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
         return None
     from checkpointd.ranks.group import resolve_group
 
-    return resolve_group(process_group)
+    return resolve_group(process_group, root)
