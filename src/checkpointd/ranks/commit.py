@@ -174,7 +174,9 @@ async def _join(attempt: Attempt) -> None:
     the others wait for that (RankFailedError once the attempt is abandoned)."""
     group = attempt.group
     if not group.publishes:
-        await gather(attempt, "joined", [group.publisher], join=True)
+        # The publisher's own digest says it joined; whether the others did is its call.
+        await gather(attempt, "digest", [group.publisher], join=True)
+        await gather(attempt, "joined", [group.publisher], join=False)
         return
     posted = await gather(attempt, "digest", list(range(group.world_size)), join=True)
     why = _mismatch(
