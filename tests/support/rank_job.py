@@ -128,7 +128,8 @@ def main() -> None:
     try:
         with checkpointd.CheckpointWriter(root) as writer:
             if scenario != "rank0_only" or rank == 0:
-                writer.save(step, state).result()
+                info = writer.save(step, state).result()
+                result["info"] = [info.step, info.nbytes, list(info.components), info.path]
             result["ok"] = True
             if scenario == "rank0_only" and rank != 0:
                 # the other ranks keep their writer open (heartbeating) until rank 0 is done
