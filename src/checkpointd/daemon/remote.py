@@ -42,19 +42,22 @@ if TYPE_CHECKING:
 __all__ = ["RemoteService", "open_remote"]
 
 
-def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> RemoteService:
-    """The RemoteService of a writer made with ``service=``; InvalidArgumentError for an
-    option the service does not support yet, ServiceError if no service answers (or,
-    with "auto", none could be started)."""
+def open_remote(
+    writer: WriterBase, max_pending: int, max_concurrency: int, *, pooled: bool = False
+) -> RemoteService:
+    """The RemoteService of a writer made with ``service=`` (``pooled``: with a
+    ``buffer_pool``); InvalidArgumentError for an option the service does not support
+    yet, ServiceError if no service answers (or, with "auto", none could be started)."""
     from checkpointd.write.writer import AsyncCheckpointWriter
 
     unsupported = [
         what
         for what, used in (
-            ("many ranks (pass process_group=checkpointd.LOCAL)", writer._ranks is not None),
+            ("many ranks (pass process_group=checkpointd.LOCAL)", writer.world_size > 1),
             ("incremental=True", writer.incremental),
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
+            ("buffer_pool (the service's shared memory is its buffers)", pooled),
         )
         if used
     ]
@@ -265,7 +268,6 @@ class RemoteService:
         from now on, whatever happens to this process)."""
         buffer = snapshot.buffer
         assert isinstance(buffer, _SegmentBuffer)
-        handle._failures = self.failures
         try:
             desc = describe(snapshot)
             segment = buffer.segment
@@ -295,7 +297,7 @@ class RemoteService:
             return
         if error is not None:
             self.failures.add(error)
-        handle._resolve(info, error)
+        handle.resolve(info, error)
         self._slots.release()
 
     def _event(self, message: p.Message) -> None:
