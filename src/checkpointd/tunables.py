@@ -30,6 +30,8 @@ __all__ = [
     "READ_THREADS",
     "S3_PARALLEL_PARTS",
     "S3_PART_BYTES",
+    "S3_READ_PARALLEL",
+    "S3_READ_PART_BYTES",
     "SHARD_BLOCK_BYTES",
     "STALE_SECONDS",
     "STORE_VALUE_BYTES",
@@ -59,6 +61,12 @@ S3_PART_BYTES = 16 * 2**20
 
 S3_PARALLEL_PARTS = 4
 """Parts of one file uploaded at once."""
+
+S3_READ_PART_BYTES = 16 * 2**20
+"""A read from S3 longer than this is split into ranged GETs of this size."""
+
+S3_READ_PARALLEL = 8
+"""Ranged GETs one S3 store has in flight at once (all its reading threads together)."""
 
 MAX_METADATA_BYTES = 16 * 2**20
 """Encoded metrics plus metadata of one save: a quarter of MAX_MANIFEST_BYTES, the
