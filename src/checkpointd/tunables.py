@@ -34,6 +34,7 @@ __all__ = [
     "S3_READ_PART_BYTES",
     "SHARD_BLOCK_BYTES",
     "STALE_SECONDS",
+    "STORE_VALUE_BYTES",
 ]
 
 # --- writing -----------------------------------------------------------------
@@ -140,3 +141,8 @@ same step (``if rank == 0: save()``), before the save fails naming it."""
 POLL_SECONDS = 0.05
 """Longest pause between two looks at the store while a rank waits for the others (the
 first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
+
+STORE_VALUE_BYTES = 4 * 2**20
+"""Largest value a rank sets in the job's c10d store in one piece; larger ones (a many-rank
+manifest, a post with many shards) go as chunks of this size (ranks/values.py). Half the
+8 MiB payload the libuv TCPStore accepts."""

@@ -28,6 +28,7 @@ relied-on blobs the new manifest does not list, so no deletion of this writer
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import secrets
@@ -43,9 +44,11 @@ import torch
 from checkpointd import tunables
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.format.digest import blob_name
-from checkpointd.format.header import DTYPE_CODES, TensorEntry
-from checkpointd.format.manifest import BlobEntry, BlobRef, Manifest
+from checkpointd.format.dtypes import decode_dtype, encode_dtype
+from checkpointd.format.header import TensorEntry
+from checkpointd.format.manifest import BlobEntry, BlobRef, CheckpointInfo, Manifest
 from checkpointd.maintain.blobs import blob_stored, newest_blobs, remove_pin, write_pin
+from checkpointd.read.catalog import read_manifest
 from checkpointd.storage import Store
 from checkpointd.write.capture import CapturedComponent
 from checkpointd.write.commit import in_thread, open_step
@@ -70,8 +73,9 @@ class SaveStats:
     """Tensors found unchanged at capture (hashed on the caller's thread, never copied)."""
 
 
-Durable = Callable[[SavePlan], Awaitable[Manifest]]
-"""Makes a plan durable and returns the manifest published (the writer's commit)."""
+Durable = Callable[[SavePlan], Awaitable[tuple[CheckpointInfo, Manifest | None]]]
+"""Makes a plan durable (the writer's commit); returns the CheckpointInfo and the manifest
+published, if this process holds it (else the saver reads it back)."""
 
 
 class CaptureHold:
@@ -133,7 +137,7 @@ class IncrementalSaver:
             or not tensor.is_contiguous()
             or tensor.is_conj()
             or tensor.is_neg()
-            or DTYPE_CODES.get(tensor.dtype) != ref.dtype
+            or decode_dtype(ref.dtype) != tensor.dtype
             or list(tensor.shape) != ref.shape
         ):
             return None
@@ -166,12 +170,14 @@ class IncrementalSaver:
         *,
         token: str | None = None,
         world_size: int = 1,
-    ) -> Manifest:
+    ) -> CheckpointInfo:
         """Save ``snapshot`` referencing unchanged tensors: pin, hash, plan
         (plan.plan_snapshot with the blobs chosen), make the plan durable with ``durable``
-        (the writer's commit: alone, or this rank's part of a group's) and return the
-        published manifest. ``token`` names the attempt (random if None); ``world_size``
-        ranks save it together. Raises as the commit. Event loop."""
+        (the writer's commit: alone, or this rank's part of a group's) and return its
+        CheckpointInfo. A rank of a group reads the published manifest back (one read), for
+        the blobs every rank's next save may reference. ``token`` names the attempt
+        (random if None); ``world_size`` ranks save it together. Raises as the commit.
+        Event loop."""
         store = self.store
         relied = [blob for c in snapshot.components for blob in c.blobs.values()]
         alone = world_size == 1
@@ -190,25 +196,22 @@ class IncrementalSaver:
         finally:
             self.release(relied)  # this save's pin (if any) names them now
         try:
-            chosen = Blobs()
-            prehashed = await self._prehashed(snapshot, chosen, limiter)
-            async with anyio.create_task_group() as group:
-                for component in snapshot.components:
-                    for item in _large(snapshot, component):
-                        group.start_soon(self._choose, chosen, component.name, item, limiter)
-            chosen.own = _own(snapshot, chosen)
-            plan = await in_thread(
-                limiter,
-                functools.partial(
-                    plan_snapshot, snapshot, token, world_size=world_size, blobs=chosen
-                ),
-            )
-            manifest = await durable(plan)
+            plan, chosen, prehashed = await self._plan(snapshot, limiter, token, world_size)
+            info, manifest = await durable(plan)
         except BaseException:
             self._reset()  # the next save copies everything: it trusts nothing of this one
             with anyio.CancelScope(shield=True):
                 await in_thread(limiter, remove_pin, store, pin)
             raise
+        if manifest is None:
+            with contextlib.suppress(CheckpointError):  # committed: the save stands anyway
+                manifest = await in_thread(limiter, read_manifest, store, snapshot.step)
+        if manifest is None:  # the next save reads the newest manifest and copies all
+            self._reset()
+            self.previous = None
+            with anyio.CancelScope(shield=True):
+                await in_thread(limiter, remove_pin, store, pin)
+            return info
         listed = {entry.name: entry for entry in manifest.blobs}
         self.previous = {
             name: msgspec.structs.replace(entry, written=False) for name, entry in listed.items()
@@ -227,7 +230,26 @@ class IncrementalSaver:
             finally:
                 await in_thread(limiter, remove_pin, store, pin)
         self.stats = _stats(manifest, chosen, prehashed)
-        return manifest
+        return info
+
+    async def _plan(
+        self, snapshot: Snapshot, limiter: anyio.CapacityLimiter, token: str, world_size: int
+    ) -> tuple[SavePlan, Blobs, int]:
+        """Hash the large tensors and this rank's shards, choose their blobs and plan the
+        save with them; returns the plan, the choice and how many tensors capture found
+        unchanged. Event loop."""
+        chosen = Blobs()
+        prehashed = await self._prehashed(snapshot, chosen, limiter)
+        async with anyio.create_task_group() as group:
+            for component in snapshot.components:
+                for item in _large(snapshot, component):
+                    group.start_soon(self._choose, chosen, component.name, item, limiter)
+        chosen.own = _own(snapshot, chosen)
+        plan = await in_thread(
+            limiter,
+            functools.partial(plan_snapshot, snapshot, token, world_size=world_size, blobs=chosen),
+        )
+        return plan, chosen, prehashed
 
     def _reset(self) -> None:
         with self._lock:
@@ -270,7 +292,7 @@ class IncrementalSaver:
                         "another process?); nothing was published, and the next save copies "
                         "and writes every tensor"
                     )
-                ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+                ref = BlobRef(name, encode_dtype(entry.dtype, "code"), list(entry.shape))
                 chosen.refs.setdefault(component.name, {})[entry.name] = ref
                 chosen.kept.setdefault(name, (msgspec.structs.replace(known, written=False), None))
                 count += 1
@@ -290,7 +312,7 @@ class IncrementalSaver:
         entry, view, whole = item
         name = await in_thread(limiter, blob_name, view)
         if whole:
-            ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+            ref = BlobRef(name, encode_dtype(entry.dtype, "code"), list(entry.shape))
             chosen.refs.setdefault(component, {})[entry.name] = ref
         else:
             chosen.shards.setdefault(component, {})[entry.name] = name

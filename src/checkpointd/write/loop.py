@@ -99,7 +99,7 @@ class WriteService:
 
             self.incremental = IncrementalSaver(store)
         self.group = group
-        """The ranks that save together (None: this process alone); see distributed.py."""
+        """The ranks that save together (None: this process alone); see ranks/group.py."""
         self.policy = policy
         self.identity = WriterIdentity.for_root(store.url)  # in its manifests; see retention
         self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused
@@ -217,12 +217,12 @@ class WriteService:
         if self.incremental is not None:
             begun: list[SavePlan] = []
 
-            async def begin(plan: SavePlan) -> Manifest:
+            async def begin(plan: SavePlan) -> tuple[CheckpointInfo, Manifest | None]:
                 begun.append(plan)
                 return await durable(plan)
 
             try:
-                manifest = await self.incremental.commit(
+                info = await self.incremental.commit(
                     snapshot, limiter, begin, token=token, world_size=world_size
                 )
             except BaseException as exc:
@@ -240,21 +240,25 @@ class WriteService:
             plan = await anyio.to_thread.run_sync(
                 functools.partial(plan_snapshot, snapshot, token, world_size=world_size)
             )
-            manifest = await durable(plan)
-        return info_of(self.store, manifest)
+            info, _ = await durable(plan)
+        return info
 
     async def _durable(
         self, plan: SavePlan, *, limiter: anyio.CapacityLimiter, number: int
-    ) -> Manifest:
+    ) -> tuple[CheckpointInfo, Manifest | None]:
         """Make ``plan`` durable, the one way for every kind of save: commit.publish_plan
-        alone, ranks.commit.commit_ranked (attempt ``number``) with a group."""
+        alone, ranks.commit.commit_ranked (attempt ``number``) with a group. Returns the
+        CheckpointInfo and the manifest where this process has it (alone; a rank reads
+        only the publisher's summary)."""
         if self.group is None:
-            return await publish_plan(self.store, plan, limiter, identity=self.identity)
+            manifest = await publish_plan(self.store, plan, limiter, identity=self.identity)
+            return info_of(self.store, manifest), manifest
         from checkpointd.ranks.commit import commit_ranked
 
-        return await commit_ranked(
+        info = await commit_ranked(
             self.store, plan, limiter, self.group, number, identity=self.identity
         )
+        return info, None
 
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""

@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal, TypeAlias
 from checkpointd import tunables
 from checkpointd.format.checksum import BytesLike, crc32c
 from checkpointd.format.codec import encode_tree
+from checkpointd.format.dtypes import encode_dtype
 from checkpointd.format.header import TensorEntry, encode_safetensors_header
 from checkpointd.format.layout import (
     DIRECT_ALIGN,
@@ -322,7 +323,7 @@ def _plan_shards(
     entries. Block CRC32Cs are computed here."""
     buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
-        s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
+        s.name: ShardedTensor(encode_dtype(s.dtype, "name"), list(s.shape), [])
         for s in component.shards
     }
     if not component.shard_entries:
