@@ -23,7 +23,7 @@ from checkpointd.format.layout import shard_file_name, tensor_file_name, tree_fi
 from checkpointd.format.manifest import ComponentEntry, FileEntry, ShardedTensor, ShardEntry
 from checkpointd.ranks.group import rank_key
 from checkpointd.ranks.merge import Share, written_shards
-from checkpointd.write.plan import SavePlan, WriteFile
+from checkpointd.write.plan import PlannedFile, RankFile, SavePlan, WriteFile, assign_ranks
 
 TOKEN = "3f9a1c2e"
 HIDDEN, MLP, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
@@ -185,14 +185,15 @@ def plan_of(rank: int, mesh: Mesh) -> SavePlan:
     not the disk) and the replicated files, the same bytes on every rank."""
     written, sharded = _rank_files(rank, mesh, everything=True)
     replicated = dict(_replicated_files())
-    files = [
-        WriteFile(f.path, [b"\0" * 64], f.path.split(".")[0], rank, own=True)
+    files: list[PlannedFile] = [
+        RankFile(f.path, [b"\0" * 64], f.path.split(".")[0], rank)
         for f in written
         if f.path not in replicated
     ]
     files += [
         WriteFile(path, [b"\0" * size], path.split(".")[0]) for path, size in replicated.items()
     ]
+    files = assign_ranks(files, mesh.world)
     params = len(model_tensors())
     rng_key = rank_key("rng", rank)
     entries = {
