@@ -28,7 +28,7 @@ from checkpointd.storage import open_store
 from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
-from .client import connect
+from .client import Connection, connect
 from .memtier import MemoryStore
 from .shm import map_fd
 
@@ -60,20 +60,35 @@ def restore_held(
         conn = connect(service, start=False)
     except ServiceError:
         return None
+    try:  # the service lends the segment until this connection ends: close it last
+        return _from_held(conn, store.url, root, targets, found, manifest, storage_options, strict)
+    finally:
+        conn.close()
+
+
+def _from_held(  # noqa: PLR0917 - restore_held's own values, passed on
+    conn: Connection,
+    url: str,
+    root: str,
+    targets: Mapping[str, Any],
+    found: int,
+    manifest: bytes,
+    storage_options: Mapping[str, Any] | None,
+    strict: bool,
+) -> RestoreInfo | None:
+    """``restore_held`` once storage named the step: ask, map and restore it."""
     try:
         options = None if storage_options is None else dict(storage_options)
         reply, fd = conn.request(p.Lookup, root=root, storage_options=options, step=found)
     except ServiceError:
         return None
-    finally:
-        conn.close()
     if not isinstance(reply, p.Held) or fd is None:
         return None
-    mapped = map_fd(fd, reply.size, writable=False)
+    mapped = map_fd(fd, reply.size, writable=False, populate=False)
     try:
         if reply.manifest != manifest:
             return None  # storage's step is not the one the service committed
-        held = MemoryStore.over(store.url, step_dirname(found), manifest, reply.files, mapped)
+        held = MemoryStore.over(url, step_dirname(found), manifest, reply.files, mapped)
         try:
             return restore_from(held, targets, found, strict, source="memory")
         except (CorruptCheckpointError, CheckpointNotFoundError):

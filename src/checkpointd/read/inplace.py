@@ -40,6 +40,7 @@ Blocking; the caller's thread (it starts one helper thread per file while stream
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +56,7 @@ from checkpointd.format.header import TensorEntry
 from checkpointd.read.reader import StepReader
 from checkpointd.state.stateful import component_state, unwrap
 from checkpointd.state.tree import alias_key, map_tree, walk
-from checkpointd.storage.base import PinnedFile
+from checkpointd.storage.base import MappedFile, PinnedFile
 
 __all__ = ["Planned", "backup", "land", "lands_in_place", "read_for_restore", "release"]
 
@@ -374,16 +375,21 @@ def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor
     ]
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
-    buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
-    spans: list[tuple[memoryview, int | None]] = [
-        (buffers[i % 2][: min(chunk, size - offset)], offset)
-        for i, offset in enumerate(range(0, size, chunk))
-    ]
+    spans: list[tuple[memoryview, int | None]]
+    if isinstance(pinned, MappedFile):  # in memory already: checked where it lies
+        spans = [(piece, None) for piece in pinned.views(0, size)]
+    else:
+        buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
+        spans = [
+            (buffers[i % 2][: min(chunk, size - offset)], offset)
+            for i, offset in enumerate(range(0, size, chunk))
+        ]
+    starts = list(itertools.accumulate((len(view) for view, _ in spans), initial=0))
     cursor = 0
 
     def extract(i: int, view: memoryview) -> None:
         nonlocal cursor
-        lo, hi = i * chunk, i * chunk + len(view)
+        lo, hi = starts[i], starts[i] + len(view)
         while cursor < len(copies) and copies[cursor][1] <= lo:
             cursor += 1
         j = cursor
@@ -461,6 +467,11 @@ def _land_one(where: str, landing: _Landing) -> None:
         return
     pinned = landing.pinned
     assert pinned is not None
+    if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
+        for e in landing.entries:
+            if (live := landing.direct.get(e.name)) is not None:
+                pinned.read_into(_bytes_of(live), landing.start + e.begin)
+        return
     spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
     kept = iter(landing.kept)
     for e in landing.entries:
