@@ -34,8 +34,11 @@ def _multmodp(a: int, b: int) -> int:
 
 
 def _x2n_table() -> list[int]:
+    """x^(2^k) modulo the polynomial for k = 0..63. Not 32 entries reused modulo 32 as
+    in zlib: that holds for CRC-32's polynomial, not for CRC32C's (it gave wrong
+    results for a second part of 2^29 bytes or more)."""
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(64):
         table.append(p)
         p = _multmodp(p, p)
     return table
@@ -52,7 +55,7 @@ def _shift(length: int) -> int:
         p, n, k = 1 << 31, length, 3
         while n:
             if n & 1:
-                p = _multmodp(_X2N[k & 31], p)
+                p = _multmodp(_X2N[k], p)
             n >>= 1
             k += 1
         op = p
