@@ -92,6 +92,7 @@ class OpenWriter(_Msg):
     max_pending: int = 1
     max_concurrency: int = 8
     newer_steps: str = "error"
+    incremental: bool = False
 
 
 class Alloc(_Msg):

@@ -52,7 +52,6 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
         what
         for what, used in (
             ("many ranks (pass process_group=checkpointd.LOCAL)", writer._ranks is not None),
-            ("incremental=True", writer.incremental),
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
         )
@@ -81,6 +80,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
             max_pending=max_pending,
             max_concurrency=max_concurrency,
             newer_steps=writer.newer_steps,
+            incremental=writer.incremental,
         )
     except BaseException:
         conn.close()
@@ -184,6 +184,9 @@ class RemoteService:
     thread (a sync writer's handles are thread-safe)."""
 
     incremental = None
+    """With ``incremental=True`` the service's write service references unchanged
+    tensors (the same files as in-process); the capture here copies every tensor
+    (no hash instead of a copy: that needs the saver's state, which is the service's)."""
     group = None
 
     def __init__(
@@ -196,6 +199,7 @@ class RemoteService:
         max_pending: int,
         max_concurrency: int,
         newer_steps: str,
+        incremental: bool = False,
     ) -> None:
         self.conn = conn
         self.newest: int | None = None
@@ -222,6 +226,7 @@ class RemoteService:
             max_pending=max_pending,
             max_concurrency=max_concurrency,
             newer_steps=newer_steps,
+            incremental=incremental,
         )
         assert isinstance(reply, p.WriterOpened)
         self.writer = reply.writer

@@ -97,6 +97,7 @@ class Saves:
             message.max_pending,
             message.max_concurrency,
             message.newer_steps,  # type: ignore[arg-type]
+            incremental=message.incremental,
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)

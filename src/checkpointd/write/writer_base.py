@@ -96,8 +96,9 @@ class WriterBase:
     ``"auto"`` or a socket path writes through the checkpoint service (README, "The
     checkpoint service"): ``save()`` captures into the service's shared memory and
     returns once the service owns the snapshot, which then commits even if this
-    process dies. Not yet with many ranks, ``incremental=True``, overlapped staging
-    or AsyncCheckpointWriter (InvalidArgumentError).
+    process dies. With ``incremental=True`` the service references unchanged tensors
+    (the same files), but every tensor is copied into its memory at ``save()``. Not
+    yet with overlapped staging or AsyncCheckpointWriter (InvalidArgumentError).
 
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
