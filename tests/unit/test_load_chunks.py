@@ -33,7 +33,9 @@ def test_combine_with_a_second_part_of_2_to_the_29_bytes_or_more(power: int) -> 
     twice = crc32c_combine(crc32c_combine(start, 0, 1 << (power - 1)), 0, 1 << (power - 1))
     assert twice == crc32c_combine(start, 0, 1 << power)
     halves = crc32c_combine(crc32c_combine(start, 0, 1 << power), zeros, 1 << 20)
-    assert halves == crc32c_combine(start, crc32c_combine(0, zeros, 1 << 20), (1 << power) + (1 << 20))
+    assert halves == crc32c_combine(
+        start, crc32c_combine(0, zeros, 1 << 20), (1 << power) + (1 << 20)
+    )
 
 
 def test_prefault_keeps_the_contents() -> None:

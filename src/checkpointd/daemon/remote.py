@@ -37,6 +37,7 @@ from .shm import map_fd
 from .snapshot import describe
 
 if TYPE_CHECKING:
+    from checkpointd.ranks.group import Group
     from checkpointd.write.writer_base import WriterBase
 
 __all__ = ["RemoteService", "open_remote"]
@@ -51,7 +52,6 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
     unsupported = [
         what
         for what, used in (
-            ("many ranks (pass process_group=checkpointd.LOCAL)", writer._ranks is not None),
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
         )
@@ -81,6 +81,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
             max_concurrency=max_concurrency,
             newer_steps=writer.newer_steps,
             incremental=writer.incremental,
+            group=writer._ranks,
         )
     except BaseException:
         conn.close()
@@ -183,11 +184,10 @@ class RemoteService:
     thread as with WriteService; handles are resolved by the connection's reader
     thread (a sync writer's handles are thread-safe)."""
 
-    incremental = None
+    incremental: None = None
     """With ``incremental=True`` the service's write service references unchanged
     tensors (the same files as in-process); the capture here copies every tensor
     (no hash instead of a copy: that needs the saver's state, which is the service's)."""
-    group = None
 
     def __init__(
         self,
@@ -200,8 +200,11 @@ class RemoteService:
         max_concurrency: int,
         newer_steps: str,
         incremental: bool = False,
+        group: Group | None = None,
     ) -> None:
         self.conn = conn
+        self.group = group
+        self._root = (root, storage_options)
         self.newest: int | None = None
         self.loop_thread: int | None = None
         self.failures = Failures()
@@ -210,6 +213,7 @@ class RemoteService:
         self._lock = threading.Lock()
         self._saves: dict[int, SaveHandle] = {}
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
+        self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
         self._mappings = _Mappings()
         conn.on_event = self._event
@@ -227,6 +231,7 @@ class RemoteService:
             max_concurrency=max_concurrency,
             newer_steps=newer_steps,
             incremental=incremental,
+            group=None if group is None else group.hosted,
         )
         assert isinstance(reply, p.WriterOpened)
         self.writer = reply.writer
@@ -290,10 +295,11 @@ class RemoteService:
             lost = self.conn.lost if early is None else None
             if early is None and lost is None:
                 self._saves[reply.save] = handle
+                self._attempts[reply.save] = snapshot.attempt
         if early is not None:
             self._outcome(handle, early)
         elif lost is not None:
-            self._resolve(handle, None, lost)
+            self._after_loss(handle, snapshot.attempt, lost)
 
     def _resolve(self, handle: SaveHandle, info: Any, error: BaseException | None) -> None:
         if handle.done():
@@ -311,6 +317,7 @@ class RemoteService:
         assert isinstance(message, p.Committed | p.Failed)
         with self._lock:
             handle = self._saves.pop(message.save, None)
+            self._attempts.pop(message.save, None)
             if handle is None:
                 self._early[message.save] = message  # its submit has not registered it yet
                 return
@@ -328,7 +335,15 @@ class RemoteService:
         """Reader thread: the service went away; every pending save fails."""
         with self._lock:
             saves, self._saves = self._saves, {}
-        for handle in saves.values():
+            attempts, self._attempts = self._attempts, {}
+        for save, handle in saves.items():
+            self._after_loss(handle, attempts.get(save, 0), error)
+
+    def _after_loss(self, handle: SaveHandle, attempt: int, error: ServiceError) -> None:
+        """Resolve a save the service did not report on. Alone: it failed (nothing of it
+        is visible). With many ranks this rank follows the attempt's one outcome (the
+        others may have committed it): in a thread of its own, as it may wait."""
+        if self.group is None:
             self._resolve(
                 handle,
                 None,
@@ -337,10 +352,22 @@ class RemoteService:
                     "of it is visible; gc removes what it left)"
                 ),
             )
+            return
+        group, (root, options) = self.group, self._root
+
+        def follow() -> None:
+            from .follow import outcome_after_loss
+
+            info, failure = outcome_after_loss(group, root, options, handle.step, attempt, error)
+            self._resolve(handle, info, failure)
+
+        threading.Thread(target=follow, name="checkpointd-follow", daemon=True).start()
 
     def close_store(self) -> None:
         self.conn.close()
         self._mappings.close()
+        if self.group is not None:
+            self.group.close()  # other ranks now know this rank's writer is gone
 
     def take_unseen_error(self) -> BaseException | None:
         return self.failures.take_first()

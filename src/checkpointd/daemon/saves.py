@@ -23,6 +23,7 @@ from anyio.abc import TaskGroup
 
 from checkpointd import errors
 from checkpointd.maintain.retention import RetentionPolicy
+from checkpointd.ranks.hosted import open_hosted
 from checkpointd.storage import open_store
 from checkpointd.write.handle import SaveHandle, first_leaf
 from checkpointd.write.loop import WriteService, newest_committed
@@ -91,6 +92,16 @@ class Saves:
         if not 1 <= message.max_pending <= 64 or not 1 <= message.max_concurrency <= 256:
             raise errors.InvalidArgumentError("max_pending or max_concurrency out of range")
         store = await anyio.to_thread.run_sync(open_store, message.root, message.storage_options)
+        group = None
+        if message.group is not None:
+            try:
+                group = await anyio.to_thread.run_sync(open_hosted, message.group)
+            except Exception as exc:
+                store.close()
+                raise errors.RankFailedError(
+                    f"the service cannot reach the job's store at {message.group.host}:"
+                    f"{message.group.port} ({type(exc).__name__}: {exc})"
+                ) from None
         service = HostedWriteService(
             store,
             policy,
@@ -98,6 +109,7 @@ class Saves:
             message.max_concurrency,
             message.newer_steps,  # type: ignore[arg-type]
             incremental=message.incremental,
+            group=group,
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -22,7 +23,16 @@ from typing import Any, Final
 from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RankFailedError
 
-__all__ = ["LOCAL", "Group", "Liveness", "PerRank", "rank_key", "resolve_group", "split_state"]
+__all__ = [
+    "LOCAL",
+    "Group",
+    "Liveness",
+    "PerRank",
+    "rank_key",
+    "resolve_group",
+    "split_state",
+    "writer_group",
+]
 
 
 class _Local:
@@ -106,18 +116,24 @@ class Group:
     Thread-safe: c10d stores lock each operation.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, token: str) -> None:
+    def __init__(
+        self, store: Any, rank: int, world_size: int, token: str, *, heartbeat: bool = True
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.publisher = 0
         self.token = token
+        self.hosted: Any = None
+        """Where the service finds this group (ranks/hosted.py ``HostedGroup``), for a
+        service writer's group; else None."""
         self._attempts: dict[int, int] = {}
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, name="checkpointd-heartbeat", daemon=True
         )
-        self._beat.start()
+        if heartbeat:  # False: another process beats for this rank (ranks/hosted.py)
+            self._beat.start()
 
     @property
     def publishes(self) -> bool:
@@ -152,7 +168,8 @@ class Group:
     def close(self) -> None:
         """Stop the heartbeat and say so (other ranks then know this rank left)."""
         self._stop.set()
-        self._beat.join()
+        if self._beat.is_alive():
+            self._beat.join()
         with contextlib.suppress(Exception):  # the store is gone: others see a stale heartbeat
             self.store.set(f"closed/{self.rank}", b"1")
 
@@ -234,6 +251,20 @@ def resolve_group(process_group: Any) -> Group | None:
             ) from None
         token = store.get("token").decode()
     return Group(store, rank, world_size, token)
+
+
+def writer_group(process_group: Any, service: object) -> Group | None:
+    """The group a writer saves with: none (alone) unless torch.distributed is initialized
+    with more than one rank and ``process_group`` is not LOCAL; re-keyed for the service
+    with ``service`` (ranks/hosted.py). Imports torch.distributed only when it is in use."""
+    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
+        return None
+    group = resolve_group(process_group)
+    if group is None or service is None:
+        return group
+    from checkpointd.ranks.hosted import for_service
+
+    return for_service(group)
 
 
 def _timedelta(seconds: float) -> Any:

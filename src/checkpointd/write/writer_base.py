@@ -32,7 +32,7 @@ from checkpointd.errors import (
 from checkpointd.format.layout import MAX_STEP, is_step
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.ranks.group import LOCAL, Group, split_state
+from checkpointd.ranks.group import split_state, writer_group
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.storage import LocalStore, open_store
 from checkpointd.write import lifecycle
@@ -155,7 +155,7 @@ class WriterBase:
             raise StorageError(
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
-        self._ranks = _group(process_group)
+        self._ranks = writer_group(process_group, service)
         if incremental and self._ranks is not None:
             self._ranks.close()
             self._store.close()
@@ -388,14 +388,3 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _group(process_group: Any) -> Group | None:
-    """The group a writer saves with: none (alone) unless torch.distributed is initialized
-    with more than one rank and ``process_group`` is not LOCAL. Imports
-    torch.distributed only when it is in use."""
-    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
-        return None
-    from checkpointd.ranks.group import resolve_group
-
-    return resolve_group(process_group)
