@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd.daemon.priority import io_priority
 from checkpointd.errors import InvalidArgumentError, ServiceError
 from tests.support.service import (
     Service,
@@ -176,3 +177,12 @@ def test_status_without_a_service_is_one_clear_line() -> None:
     assert done.returncode == 1
     assert done.stderr.startswith("checkpointd status: error: no checkpoint service answers")
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_the_service_runs_below_the_trainers_priority(service: Service) -> None:
+    # serve's defaults: niceness +10 (from the test's own) and best-effort I/O level 7
+    assert os.getpriority(os.PRIO_PROCESS, service.proc.pid) == os.nice(0) + 10
+    assert io_priority(service.proc.pid) == (2, 7)
+    with running_service("--niceness", "0", "--io-priority", "none") as unchanged:
+        assert os.getpriority(os.PRIO_PROCESS, unchanged.proc.pid) == os.nice(0)
+        assert io_priority(unchanged.proc.pid) == io_priority()
