@@ -18,6 +18,8 @@ of extra memory for the direct tensors:
    pin a file (``Store.open_pinned``: a POSIX descriptor) the file stays open, so a
    deletion or rename meanwhile (retention, ``gc``) changes nothing it reads; on
    other stores the file is read whole into memory instead (one extra copy, no pin).
+   A pinned file already in memory that nothing writes (``storage.MappedFile``: the
+   service's memory tier) is checked where it lies, with no chunk buffers.
 2. **Load** (may fail, rolled back): ``load_state_dict`` runs on every target with the
    direct tensors being the target's *own* tensors: a module copies each onto itself
    (torch returns at once), an optimizer adopts the same tensors, so no tensor value
@@ -33,6 +35,7 @@ of extra memory for the direct tensors:
    are created under temporary names and renamed) or a media error between the two
    reads could make this step fail; that is reported as CorruptCheckpointError naming
    the components whose tensors may be part restored, after the rest is rolled back.
+   From a ``MappedFile`` the bytes checked in step 1 are copied (they cannot change).
 
 Blocking; the caller's thread (it starts one helper thread per file while streaming).
 """

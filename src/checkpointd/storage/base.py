@@ -306,7 +306,8 @@ class Store(ABC):
         renamed meanwhile, or None where the store cannot promise that (the default).
 
         ``restore`` checks a file through a small buffer, then reads it again straight
-        into live tensors: only a pinned file guarantees both reads see the same file."""
+        into live tensors: only a pinned file guarantees both reads see the same file.
+        A ``MappedFile`` (bytes in memory, unwritten while open) is checked in place."""
         return None
 
     def map_file(self, path: str) -> mmap.mmap:
