@@ -172,3 +172,27 @@ def test_a_rank_that_never_saves_abandons_the_save_everywhere(
     _wait_idle(services)
     assert _committed_steps(root) == []
     assert not any(os.scandir(root / f"{1:012d}")) if (root / f"{1:012d}").exists() else True
+
+
+def test_a_rank_whose_service_dies_reports_the_same_outcome(job_store: int, tmp_path: Path) -> None:
+    root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
+    with _services(gate=str(gate)) as services:
+        procs = _ranks("save", services, root, out, steps=1, port=job_store)
+        for proc in procs:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == "returned 1":
+                    break
+        services[1].kill()  # rank 1's save dies with its service; its trainer lives
+        gate.touch()
+        for proc in procs:
+            assert proc.wait(180) == 0, (out / "stderr1.txt").read_text()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        outcomes = [
+            json.loads((out / f"rank{r}.json").read_text())["outcomes"] for r in range(WORLD)
+        ]
+        assert [o[0][0] for o in outcomes] == ["RankFailedError"] * WORLD, outcomes
+        assert "checkpoint service went away" in outcomes[0][0][1]
+        _wait_idle(services[:1])
+        assert _committed_steps(root) == []
