@@ -43,8 +43,10 @@ def restore_held(
     storage_options: Mapping[str, Any] | None,
     strict: bool,
     service: str,
+    place: tuple[int, int] = (0, 1),
 ) -> RestoreInfo | None:
-    """Restore from the service's memory tier, or None where storage must be read."""
+    """Restore from the service's memory tier, or None where storage must be read;
+    ``place`` as for ``restore_from``."""
     store = open_store(root, storage_options)
     try:
         found = newest_committed(store) if step is None else step
@@ -61,7 +63,17 @@ def restore_held(
     except ServiceError:
         return None
     try:  # the service lends the segment until this connection ends: close it last
-        return _from_held(conn, store.url, root, targets, found, manifest, storage_options, strict)
+        return _from_held(
+            conn,
+            store.url,
+            root,
+            targets,
+            found,
+            manifest,
+            storage_options=storage_options,
+            strict=strict,
+            place=place,
+        )
     finally:
         conn.close()
 
@@ -73,8 +85,10 @@ def _from_held(  # noqa: PLR0917 - restore_held's own values, passed on
     targets: Mapping[str, Any],
     found: int,
     manifest: bytes,
+    *,
     storage_options: Mapping[str, Any] | None,
     strict: bool,
+    place: tuple[int, int],
 ) -> RestoreInfo | None:
     """``restore_held`` once storage named the step: ask, map and restore it."""
     try:
@@ -90,7 +104,7 @@ def _from_held(  # noqa: PLR0917 - restore_held's own values, passed on
             return None  # storage's step is not the one the service committed
         held = MemoryStore.over(url, step_dirname(found), manifest, reply.files, mapped)
         try:
-            return restore_from(held, targets, found, strict, source="memory")
+            return restore_from(held, targets, found, strict, source="memory", place=place)
         except (CorruptCheckpointError, CheckpointNotFoundError):
             return None  # a damaged or partial copy: storage decides
     finally:

@@ -36,6 +36,8 @@ class HostedGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int
     world_size: int
     token: str
+    ranks: list[int]
+    """The group's global ranks (a sub-group's; the world's for the default group)."""
 
 
 def _tcp_store(group: Group) -> Any:
@@ -81,10 +83,12 @@ def for_service(group: Group) -> Group:
     from torch.distributed.distributed_c10d import PrefixStore
 
     prefix = f"checkpointd/svc/{space}/"
-    address = HostedGroup(tcp.host, tcp.port, prefix, group.rank, group.world_size, group.token)
+    address = HostedGroup(
+        tcp.host, tcp.port, prefix, group.rank, group.world_size, group.token, list(group.ranks)
+    )
     group.close()
     store = PrefixStore(prefix, tcp.clone())
-    hosted = Group(store, group.rank, group.world_size, group.token, heartbeat=False)
+    hosted = Group(store, group.rank, group.world_size, group.token, group.ranks, heartbeat=False)
     hosted.hosted = address
     return hosted
 
@@ -99,4 +103,4 @@ def open_hosted(address: HostedGroup) -> Group:
         address.host, address.port, is_master=False, wait_for_workers=False, timeout=timeout
     )
     store = PrefixStore(address.prefix, tcp)
-    return Group(store, address.rank, address.world_size, address.token)
+    return Group(store, address.rank, address.world_size, address.token, tuple(address.ranks))

@@ -73,7 +73,9 @@ class WriterBase:
 
     ``process_group``: with torch.distributed initialized, None (default) means every
     rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see the README, "Many ranks");
+    writer and calls ``save`` with the same step; see the README, "Many ranks"); a
+    process group (``new_group``: a pipeline stage, a subset of ranks) means its ranks
+    alone save together, and other ranks need not make a writer;
     ``checkpointd.LOCAL`` makes this process save alone.
 
     ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
@@ -155,7 +157,9 @@ class WriterBase:
             raise StorageError(
                 errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
             )
-        self._ranks = writer_group(process_group, service)
+        root = local or self._store.url.rstrip("/")
+        self._ranks = writer_group(process_group, root, service)
+        self._process_group = process_group  # restore's place: this rank in this group
         if incremental and self._ranks is not None:
             self._ranks.close()
             self._store.close()
@@ -379,7 +383,12 @@ class WriterBase:
 
     def _restore(self, targets: Mapping[str, Any], step: int | None, strict: bool) -> RestoreInfo:
         return restore(
-            self.root, targets, step, storage_options=self.storage_options, strict=strict
+            self.root,
+            targets,
+            step,
+            storage_options=self.storage_options,
+            strict=strict,
+            process_group=self._process_group,
         )
 
 
