@@ -43,10 +43,12 @@ if TYPE_CHECKING:
 __all__ = ["RemoteService", "open_remote"]
 
 
-def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> RemoteService:
-    """The RemoteService of a writer made with ``service=``; InvalidArgumentError for an
-    option the service does not support yet, ServiceError if no service answers (or,
-    with "auto", none could be started)."""
+def open_remote(
+    writer: WriterBase, max_pending: int, max_concurrency: int, *, pooled: bool = False
+) -> RemoteService:
+    """The RemoteService of a writer made with ``service=`` (``pooled``: with a
+    ``buffer_pool``); InvalidArgumentError for an option the service does not support
+    yet, ServiceError if no service answers (or, with "auto", none could be started)."""
     from checkpointd.write.writer import AsyncCheckpointWriter
 
     unsupported = [
@@ -54,6 +56,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
         for what, used in (
             ('staging="overlapped"', writer.staging != "blocking"),
             ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
+            ("buffer_pool (the service's shared memory is its buffers)", pooled),
         )
         if used
     ]
@@ -81,7 +84,7 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
             max_concurrency=max_concurrency,
             newer_steps=writer.newer_steps,
             incremental=writer.incremental,
-            group=writer._ranks,
+            group=writer.group,
         )
     except BaseException:
         conn.close()
@@ -275,7 +278,6 @@ class RemoteService:
         from now on, whatever happens to this process)."""
         buffer = snapshot.buffer
         assert isinstance(buffer, _SegmentBuffer)
-        handle._failures = self.failures
         try:
             desc = describe(snapshot)
             segment = buffer.segment
@@ -306,7 +308,7 @@ class RemoteService:
             return
         if error is not None:
             self.failures.add(error)
-        handle._resolve(info, error)
+        handle.resolve(info, error)
         self._slots.release()
 
     def _event(self, message: p.Message) -> None:

@@ -148,7 +148,9 @@ class Saves:
         snapshot = rebuild(message.snapshot, arena[: segment.size])
         del conn.owned[message.segment]  # the save owns it now
         save = self._next()
-        handle = SaveHandle(snapshot.step, time.perf_counter(), anyio.Event())
+        handle = SaveHandle(
+            snapshot.step, time.perf_counter(), anyio.Event(), failures=writer.service.failures
+        )
         writer.pending += 1
         self.in_flight += 1
         try:

@@ -62,9 +62,8 @@ from checkpointd.maintain.removal import (
 )
 from checkpointd.read.restore import load
 from checkpointd.state.rng import RNGState
-from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.capture import BufferPool
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.loop import WriteService
 from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
@@ -105,37 +104,6 @@ else:
     _Base = _found[0] if len(_found) == 1 else type("_CheckpointIOBases", _found, {})
 
 
-class _PooledWriter(CheckpointWriter):
-    """A CheckpointWriter whose staging buffers come from, and go back to, a shared pool.
-
-    Each top-k path is a root of its own, so Lightning's saves go to a new writer
-    almost every time; a fresh buffer would cost a first touch of every page of
-    the snapshot on the training thread. The pool hands a closed writer's warm
-    buffers to the next one (a writer holds them only while it is open)."""
-
-    def __init__(self, root: str, pool: list[StagingBuffer], **options: Any) -> None:
-        self._pool = pool
-        super().__init__(root, **options)
-
-    def _start(self) -> None:
-        """Swap the service's new buffers for pooled ones before its loop starts."""
-        assert isinstance(self._service, WriteService)  # never through the checkpoint service
-        buffers = self._service._buffers
-        for i in range(len(buffers)):
-            if self._pool:
-                buffers[i] = self._pool.pop()
-        super()._start()
-
-    def close(self) -> None:
-        """Close, then give the (now idle) buffers back to the pool."""
-        try:
-            super().close()
-        finally:
-            assert isinstance(self._service, WriteService)
-            self._pool.extend(self._service._buffers)
-            self._service._buffers = []
-
-
 class CheckpointdIO(_Base):
     """Saves Lightning checkpoints in the background with checkpointd, durably.
 
@@ -167,7 +135,10 @@ class CheckpointdIO(_Base):
         self.writer_options = dict(writer_options)
         self._storage_options: Mapping[str, Any] | None = writer_options.get("storage_options")
         self._writers: dict[str, CheckpointWriter] = {}
-        self._buffers: list[StagingBuffer] = []
+        # Each top-k path is a root of its own, so saves go to a new writer almost every
+        # time: the pool hands a closed writer's warm staging buffers to the next one
+        # (fresh ones would cost a first touch of every page on the training thread).
+        self._buffers = BufferPool()
         # Deleting a removed root (and closing its writer) runs off the training thread.
         self._deleter: ThreadPoolExecutor | None = None
         self._deleting: dict[str, Future[None]] = {}
@@ -284,8 +255,10 @@ class CheckpointdIO(_Base):
     def _writer(self, root: str) -> CheckpointWriter:
         writer = self._writers.pop(root, None)  # re-inserted: the dict is in order of use
         if writer is None:
-            writer = _PooledWriter(root, self._buffers, keep_last=1, **self.writer_options)
-            newest = writer._service.newest
+            writer = CheckpointWriter(
+                root, keep_last=1, buffer_pool=self._buffers, **self.writer_options
+            )
+            newest = writer.newest_step
             if newest is not None:
                 self._last_step[root] = max(newest, self._last_step.get(root, newest))
         self._writers[root] = writer
@@ -309,7 +282,7 @@ class CheckpointdIO(_Base):
         ready = [(root, hs) for root, hs in self._removals if all(h.done() for h in hs)]
         self._removals = [item for item in self._removals if item not in ready]
         for root, handles in ready:
-            failed = [h.step for h in handles if h._error is not None]
+            failed = [h.step for h in handles if h.exception() is not None]
             self._deleted(root)
             if failed:
                 warnings.warn(

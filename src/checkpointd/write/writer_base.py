@@ -32,11 +32,11 @@ from checkpointd.errors import (
 from checkpointd.format.layout import MAX_STEP, is_step
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.ranks.group import split_state, writer_group
+from checkpointd.ranks.group import Group, split_state, writer_group
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.storage import LocalStore, open_store
 from checkpointd.write import lifecycle
-from checkpointd.write.capture import StagingBuffer, capture
+from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import NewerSteps, WriteService
 from checkpointd.write.plan import Snapshot
@@ -102,6 +102,10 @@ class WriterBase:
     (the same files), but every tensor is copied into its memory at ``save()``. Not
     yet with overlapped staging or AsyncCheckpointWriter (InvalidArgumentError).
 
+    ``buffer_pool``: a BufferPool that several writers share, one after another: this
+    one takes its staging buffers from it and gives them back once closed (the
+    Lightning plugin's writers, one per root). Not with ``service=``.
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
@@ -125,6 +129,7 @@ class WriterBase:
         incremental: bool = False,
         staging: StagingMode = "blocking",
         service: str | os.PathLike[str] | None = None,
+        buffer_pool: BufferPool | None = None,
     ) -> None:
         for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -180,12 +185,15 @@ class WriterBase:
                 newer_steps,
                 group=self._ranks,
                 incremental=incremental,
+                pool=buffer_pool,
             )
         else:
             from checkpointd.daemon.remote import open_remote
 
             try:
-                self._service = open_remote(self, max_pending, max_concurrency)
+                self._service = open_remote(
+                    self, max_pending, max_concurrency, pooled=buffer_pool is not None
+                )
             except BaseException:
                 if self._ranks is not None:
                     self._ranks.close()
@@ -199,6 +207,22 @@ class WriterBase:
 
     def _start(self) -> None:
         """Start the write service where the front end runs it; last step of __init__."""
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step this writer knows of (None: none yet): read from the
+        root when the writer starts, then its own commits. Caller's thread."""
+        return self._service.newest
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save each checkpoint of this writer (1: it saves alone)."""
+        return 1 if self._ranks is None else self._ranks.world_size
+
+    @property
+    def group(self) -> Group | None:
+        """The ranks this writer saves with (None: alone); the service's remote uses it."""
+        return self._ranks
 
     @property
     def _inherited(self) -> bool:
@@ -357,8 +381,15 @@ class WriterBase:
         event: anyio.Event | None = None,
         staging: Staging | None = None,
     ) -> SaveHandle:
-        handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)
-        handle._staging = staging
+        service = self._service
+        handle = SaveHandle(
+            step,
+            started,
+            event,
+            loop_thread=service.loop_thread,
+            staging=staging,
+            failures=service.failures,
+        )
         self._pending.append(handle)
         return handle
 
