@@ -267,7 +267,7 @@ def test_incremental_with_many_ranks_is_refused(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr(checkpointd.write.writer_base, "_group", lambda *_: TwoRanks())
+    monkeypatch.setattr(checkpointd.write.writer_base, "writer_group", lambda *_: TwoRanks())
     with pytest.raises(InvalidArgumentError, match="2 ranks"):
         checkpointd.CheckpointWriter(local_root.url, incremental=True)
     assert closed == [True]
