@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 
-__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_stream"]
+__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_each", "crc32c_stream"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -89,9 +89,38 @@ def crc32c_stream(
     in memory already are checksummed in two halves on two cores, then ``after`` runs on
     each in order. Blocking.
     """
-    if all(offset is None for _, offset in spans):
+    if spans and all(offset is None for _, offset in spans):
         return _in_memory(spans, after)
+    return _stream(spans, read, after, chained=True)[-1] if spans else 0
+
+
+def crc32c_each(
+    spans: Sequence[Span],
+    read: Callable[[memoryview, int], None],
+    after: Callable[[int, memoryview], None] | None = None,
+) -> list[int]:
+    """As ``crc32c_stream``, but the CRC32C of each span on its own (per-block digests)."""
+    return _stream(spans, read, after, chained=False)
+
+
+def _stream(
+    spans: Sequence[Span],
+    read: Callable[[memoryview, int], None],
+    after: Callable[[int, memoryview], None] | None,
+    *,
+    chained: bool,
+) -> list[int]:
+    """The digest after each span, continued from the previous one if ``chained``."""
+    digests: list[int] = []
     digest = 0
+    if len(spans) == 1:  # nothing to overlap: no helper thread
+        view, offset = spans[0]
+        if offset is not None:
+            read(view, offset)
+        digests.append(crc32c(view))
+        if after is not None:
+            after(0, view)
+        return digests
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
 
         def start(i: int) -> concurrent.futures.Future[None] | None:
@@ -106,36 +135,42 @@ def crc32c_stream(
                 pending.result()
             pending = start(i + 1)
             try:
-                digest = crc32c(view, digest)
+                digest = crc32c(view, digest if chained else 0)
+                digests.append(digest)
                 if after is not None:
                     after(i, view)
             except BaseException:
                 if pending is not None:
                     concurrent.futures.wait([pending])
                 raise
-    return digest
+    return digests
 
 
 def _in_memory(spans: Sequence[Span], after: Callable[[int, memoryview], None] | None) -> int:
-    """``crc32c_stream`` of spans already in memory: the first half of the bytes on a
-    helper thread, the second on the caller's, combined."""
-    sizes = [len(view) for view, _ in spans]
-    half, split, done = sum(sizes) // 2, 0, 0
-    while split < len(spans) and done + sizes[split] <= half:
-        done += sizes[split]
-        split += 1
+    """``crc32c_stream`` of spans already in memory: the first half of the bytes (a span
+    cut where the half ends) on a helper thread, the second on the caller's, combined."""
+    views = [view for view, _ in spans]
+    half = sum(len(view) for view in views) // 2
+    first: list[memoryview] = []
+    second: list[memoryview] = []
+    at = 0
+    for view in views:
+        cut = min(max(half - at, 0), len(view))
+        first.append(view[:cut])
+        second.append(view[cut:])
+        at += len(view)
 
-    def chain(part: Sequence[Span]) -> int:
+    def chain(part: list[memoryview]) -> int:
         digest = 0
-        for view, _ in part:
+        for view in part:
             digest = crc32c(view, digest)
         return digest
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(chain, spans[:split])
-        second = chain(spans[split:])
-        digest = crc32c_combine(first.result(), second, sum(sizes[split:]))
+        head = pool.submit(chain, first)
+        tail = chain(second)
+        digest = crc32c_combine(head.result(), tail, sum(len(view) for view in second))
     if after is not None:
-        for i, (view, _) in enumerate(spans):
+        for i, view in enumerate(views):
             after(i, view)
     return digest

@@ -4,23 +4,28 @@ box at a time, placed like the restore's DTensor templates. Reading thread."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format.manifest import ComponentEntry
+from checkpointd.format.manifest import ComponentEntry, ShardedTensor
 
 if TYPE_CHECKING:
     import torch
 
     from checkpointd.read.reader import StepReader
 
-__all__ = ["ComponentTensors"]
+__all__ = ["ComponentTensors", "Take"]
+
+Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
+"""(tensor name, its live DTensor template, the stored sharded tensor) -> the tensor to
+hand the decoder instead of reading this rank's part into fresh memory, or None."""
 
 
 class ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
-    plain tensor files all at once on first use, sharded tensors one by one."""
+    plain tensor files all at once on first use, sharded tensors one by one. ``take``:
+    asked first for each sharded tensor with a template (restore's DTensor path)."""
 
     def __init__(
         self,
@@ -28,11 +33,13 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         entry: ComponentEntry,
         templates: Mapping[str, Any],
         preloaded: Mapping[str, Mapping[str, torch.Tensor]],
+        take: Take | None = None,
     ):
         self.reader = reader
         self.entry = entry
         self.templates = templates
         self.preloaded = preloaded
+        self.take = take
         self._plain: dict[str, torch.Tensor] | None = None
 
     def plain(self) -> dict[str, torch.Tensor]:
@@ -62,6 +69,10 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
             return self.reader.region(
                 name, sharded, ((0,) * len(sharded.shape), tuple(sharded.shape))
             )
+        if sharded is not None and self.take is not None:
+            taken = self.take(name, template, sharded)
+            if taken is not None:
+                return taken
         plain = None if sharded is not None else self.plain()[name]
         placed: torch.Tensor = as_template(name, template, plain, sharded, self.reader.region)
         return placed
