@@ -275,7 +275,7 @@ def test_guarded_publish_never_takes_a_racing_writers_file(
 
 
 def test_shared_folders_beside_step_folders(store: Store) -> None:
-    """What incremental saves need of a backend (shared.py): folders that are not step
+    """What incremental saves need of a backend (maintain/blobs.py): folders that are not step
     folders, made twice, listed when absent, files replaced and removed there."""
     assert store.list_dir("pins") == []  # never made: empty, not an error
     store.make_dir("blobs")

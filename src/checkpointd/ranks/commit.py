@@ -1,7 +1,7 @@
 """One commit from many ranks: every rank writes its share, one rank publishes.
 
 Runs on each rank's writer event loop; store calls and file I/O go to worker
-threads. The attempt's keys and its one outcome are rankattempt.py's:
+threads. The attempt's keys and its one outcome are attempt.py's:
 
 1. ``digest/{rank}``: each rank's digest of every component (CRC32C and size of
    the files the plan makes of it). The publisher reads them all; a rank that

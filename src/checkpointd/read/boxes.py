@@ -125,13 +125,15 @@ class Boxes:
         """``template`` itself if its local shard can take its stored box directly (``check``
         then checks the blocks); None to read it the usual way (which also reports a
         shape mismatch or a damaged entry). Raises CorruptCheckpointError."""
-        from checkpointd.format.codec import dtype_by_name
+        from checkpointd.format.dtypes import decode_dtype
 
         if name in self.boxes or tuple(sharded.shape) != tuple(template.shape):
             return None
         if template.device.type != "cpu":
             return None
-        dtype = dtype_by_name(sharded.dtype, f"{self.reader.where}: tensor {name!r}")
+        dtype = decode_dtype(sharded.dtype)
+        if dtype is None:
+            return None  # the usual read reports the unknown dtype
         local, box = template.to_local(), local_box(template)
         if not _fits(local, dtype, box) or not self._free(local):
             return None

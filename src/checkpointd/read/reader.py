@@ -252,10 +252,14 @@ class StepReader:
         overlap it: whole blocks of each, each block checked against its CRC32C."""
         import torch
 
-        from checkpointd.format.codec import dtype_by_name
+        from checkpointd.format.dtypes import decode_dtype
         from checkpointd.state.shards import intersect
 
-        dtype = dtype_by_name(sharded.dtype, f"{self.where}: tensor {name!r}")
+        dtype = decode_dtype(sharded.dtype)
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor {name!r}: unknown dtype {sharded.dtype!r}"
+            )
         parts = [
             (shard, part)
             for shard in sharded.shards
@@ -337,19 +341,23 @@ class StepReader:
         offset = flat.storage_offset() + span.first - begin // dtype.itemsize
         return flat.as_strided(part[1], span.strides, offset)
 
-    def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
-        """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
-        the size and (with ``verify``) digest checks: the name is the XXH3-128 of the bytes. A missing blob is damage to this
-        checkpoint (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
+    def blob_tensor(
+        self, blob: str, dtype_text: str, shape: list[int], tensor: str
+    ) -> torch.Tensor:
+        """Tensor ``tensor`` stored as shared blob ``blob`` (``dtype_text`` in either spelling,
+        ``shape``), after the size and (with ``verify``) digest checks: the name is the
+        XXH3-128 of the bytes. A missing blob is damage to this checkpoint
+        (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
         import math
 
         import torch
 
-        from checkpointd.format.header import DTYPES_BY_CODE, shape_fits
+        from checkpointd.format.dtypes import decode_dtype
+        from checkpointd.format.header import shape_fits
 
         entry = self.blobs[blob]
         at = f"{self.store.url.rstrip('/')}/{blob_path(blob)}"
-        dtype = DTYPES_BY_CODE.get(code)
+        dtype = decode_dtype(dtype_text)
         if dtype is None or not shape_fits(shape):
             raise CorruptCheckpointError(f"{self.where}: bad dtype or shape for {tensor!r}")
         if math.prod(shape) * dtype.itemsize != entry.size:
