@@ -254,18 +254,15 @@ def restore(
     otherwise (no service, not held, a mismatch) from storage.
     """
     if service is not None:
-        from checkpointd.daemon.recall import restore_held
+        from checkpointd.daemon.recall import held_copy
 
-        held = restore_held(
-            str(root),
-            targets,
-            step,
-            storage_options=storage_options,
-            strict=strict,
-            service=service,
-        )
-        if held is not None:
-            return held
+        with held_copy(str(root), step, storage_options=storage_options, service=service) as held:
+            if held is not None:
+                memory, found = held
+                try:
+                    return restore_from(memory, targets, found, strict, source="memory")
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    pass  # a damaged or partial copy: storage decides
     return restore_from(open_store(str(root), storage_options), targets, step, strict)
 
 
