@@ -17,7 +17,7 @@ import contextlib
 import mmap
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -29,6 +29,7 @@ from checkpointd.errors import InvalidArgumentError, ServiceError
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
@@ -36,25 +37,23 @@ from .client import Connection, connect, error_from
 from .shm import map_fd
 from .snapshot import describe
 
-if TYPE_CHECKING:
-    from checkpointd.write.writer_base import WriterBase
-
 __all__ = ["RemoteService", "open_remote"]
 
 
-def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> RemoteService:
-    """The RemoteService of a writer made with ``service=``; InvalidArgumentError for an
-    option the service does not support yet, ServiceError if no service answers (or,
-    with "auto", none could be started)."""
-    from checkpointd.write.writer import AsyncCheckpointWriter
-
+def open_remote(
+    root: str, options: WriterOptions, *, ranked: bool, in_callers_loop: bool
+) -> RemoteService:
+    """The RemoteService of a writer of ``root`` made with ``service=`` (in ``options``);
+    ``ranked``: it saves with many ranks, ``in_callers_loop``: an AsyncCheckpointWriter.
+    InvalidArgumentError for an option the service does not support yet, ServiceError
+    if no service answers (or, with "auto", none could be started)."""
     unsupported = [
         what
         for what, used in (
-            ("many ranks (pass process_group=checkpointd.LOCAL)", writer._ranks is not None),
-            ("incremental=True", writer.incremental),
-            ('staging="overlapped"', writer.staging != "blocking"),
-            ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
+            ("many ranks (pass process_group=checkpointd.LOCAL)", ranked),
+            ("incremental=True", options.incremental),
+            ('staging="overlapped"', options.staging != "blocking"),
+            ("AsyncCheckpointWriter", in_callers_loop),
         )
         if used
     ]
@@ -63,24 +62,29 @@ def open_remote(writer: WriterBase, max_pending: int, max_concurrency: int) -> R
             f"the checkpoint service does not support {', '.join(unsupported)} yet: "
             "use service=None for this writer"
         )
-    assert writer.service is not None
-    options = writer.storage_options
+    service = options.service_path
+    assert service is not None
+    storage_options = options.storage_options
     try:
-        options = None if options is None else msgspec.json.decode(msgspec.json.encode(options))
+        plain = (
+            None
+            if storage_options is None
+            else msgspec.json.decode(msgspec.json.encode(storage_options))
+        )
     except (TypeError, msgspec.EncodeError) as exc:
         raise InvalidArgumentError(
             f"storage_options must be JSON-able to reach the checkpoint service: {exc}"
         ) from None
-    conn = connect(writer.service)
+    conn = connect(service)
     try:
         return RemoteService(
             conn,
-            writer.root,
-            storage_options=options,
-            policy=writer.policy,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-            newer_steps=writer.newer_steps,
+            root,
+            storage_options=plain,
+            policy=options.policy,
+            max_pending=options.max_pending,
+            max_concurrency=options.max_concurrency,
+            newer_steps=options.newer_steps,
         )
     except BaseException:
         conn.close()

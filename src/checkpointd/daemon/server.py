@@ -31,7 +31,7 @@ import anyio.to_thread
 import torch
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
-from checkpointd import errors
+from checkpointd import errors, tunables
 from checkpointd.errors import CheckpointError, ServiceMemoryError
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.storage import open_store
@@ -323,6 +323,7 @@ class Server:
             message.max_pending,
             message.max_concurrency,
             message.newer_steps,  # type: ignore[arg-type]
+            chunk_bytes=tunables.CHUNK_BYTES,
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         assert self._group is not None

@@ -103,11 +103,21 @@ class Group:
     rank that publishes manifests and runs retention. ``store`` is a clone of the
     job's c10d store (a connection of its own) under a prefix owned by this writer;
     ``token`` is agreed by every rank when the writer is made (it names the files).
-    Thread-safe: c10d stores lock each operation.
+    ``join_seconds`` is how long a save waits for a live rank that has not joined it
+    (the writer's option). Thread-safe: c10d stores lock each operation.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, token: str) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        token: str,
+        *,
+        join_seconds: float,
+    ) -> None:
         self.store = store
+        self.join_seconds = join_seconds
         self.rank = rank
         self.world_size = world_size
         self.publisher = 0
@@ -201,13 +211,13 @@ def _default_group_info(process_group: Any) -> tuple[Any, int, int] | None:
     return store, rank, world_size
 
 
-def resolve_group(process_group: Any) -> Group | None:
+def resolve_group(process_group: Any, *, join_seconds: float) -> Group | None:
     """The Group a writer made with ``process_group`` saves with; None to save alone.
 
     None means the default group when torch.distributed is initialized (and alone
     otherwise, or with one rank); LOCAL means alone. Every rank of the group must
     make its writers in the same order: the n-th writer of each rank agree on a
-    token through the store (rank 0 draws it; others wait up to JOIN_SECONDS).
+    token through the store (rank 0 draws it; others wait up to ``join_seconds``).
     Caller thread, blocking.
     """
     if process_group is LOCAL:
@@ -225,15 +235,15 @@ def resolve_group(process_group: Any) -> Group | None:
         store.set("token", token)
     else:
         try:
-            store.wait(["token"], _timedelta(tunables.JOIN_SECONDS))
+            store.wait(["token"], _timedelta(join_seconds))
         except Exception:
             raise RankFailedError(
                 f"rank 0 did not make its writer number {number} within "
-                f"{tunables.JOIN_SECONDS}s: every rank must make the same writers in the "
+                f"{join_seconds}s: every rank must make the same writers in the "
                 "same order (or pass process_group=checkpointd.LOCAL to save alone)"
             ) from None
         token = store.get("token").decode()
-    return Group(store, rank, world_size, token)
+    return Group(store, rank, world_size, token, join_seconds=join_seconds)
 
 
 def _timedelta(seconds: float) -> Any:

@@ -86,14 +86,17 @@ class WriteService:
         *,
         group: Group | None = None,
         incremental: bool = False,
+        chunk_bytes: int,
     ) -> None:
         self.store = store
+        self.chunk_bytes = chunk_bytes
+        """Bytes handed to the store per write (the writer's option)."""
         self.incremental: IncrementalSaver | None = None
         """Set for ``incremental=True``: references unchanged tensors (incremental.py)."""
         if incremental:
             from checkpointd.write.incremental import IncrementalSaver
 
-            self.incremental = IncrementalSaver(store)
+            self.incremental = IncrementalSaver(store, chunk_bytes=chunk_bytes)
         self.group = group
         """The ranks that save together (None: this process alone); see distributed.py."""
         self.policy = policy
@@ -192,13 +195,21 @@ class WriteService:
             return await self.incremental.commit(snapshot, limiter, identity=self.identity)
         if group is None:
             plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
-            return await commit_plan(self.store, plan, limiter, identity=self.identity)
+            return await commit_plan(
+                self.store, plan, limiter, identity=self.identity, chunk_bytes=self.chunk_bytes
+            )
         from checkpointd.ranks.commit import commit_ranked
 
         token = f"{group.token}{snapshot.attempt}"
         plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot, token)
         return await commit_ranked(
-            self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
+            self.store,
+            plan,
+            limiter,
+            group,
+            snapshot.attempt,
+            identity=self.identity,
+            chunk_bytes=self.chunk_bytes,
         )
 
     async def acquire_buffer(self) -> StagingBuffer:

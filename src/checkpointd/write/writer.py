@@ -260,6 +260,7 @@ class AsyncCheckpointWriter(WriterBase):
     """
 
     _group: TaskGroup | None = None
+    _in_callers_loop = True
 
     async def __aenter__(self) -> AsyncCheckpointWriter:
         if self.background_niceness:

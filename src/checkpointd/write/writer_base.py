@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
 import torch
@@ -34,21 +34,20 @@ from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import LOCAL, Group, split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
-from checkpointd.storage import LocalStore, open_store
+from checkpointd.storage import LocalStore, Store, open_store
 from checkpointd.write import lifecycle
 from checkpointd.write.capture import StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import NewerSteps, WriteService
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
-from checkpointd.write.staging import STAGING_MODES, Stager, Staging, StagingMode
-from checkpointd.write.writer_args import plain_metrics_and_metadata, writer_policy
+from checkpointd.write.staging import Stager, Staging, StagingMode
+from checkpointd.write.writer_args import plain_metrics_and_metadata
 
 if TYPE_CHECKING:
     from checkpointd.daemon.remote import RemoteService
 
 __all__ = ["WriterBase"]
-
-_NEWER_STEPS = ("error", "keep", "discard")
 
 
 class WriterBase:
@@ -99,9 +98,20 @@ class WriterBase:
     process dies. Not yet with many ranks, ``incremental=True``, overlapped staging
     or AsyncCheckpointWriter (InvalidArgumentError).
 
+    ``chunk_bytes`` (default ``tunables.CHUNK_BYTES``): bytes handed to storage per
+    write while a file streams. ``join_seconds`` (default ``tunables.JOIN_SECONDS``):
+    how long the ranks of a save wait for a live rank that has not called ``save()``
+    for the same step (or made this writer) before the save fails naming it.
+
+    Every option is checked when the writer is made (InvalidArgumentError) and kept
+    in ``options`` (a frozen WriterOptions, write/options.py).
+
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
+
+    _in_callers_loop: ClassVar[bool] = False
+    """True for a front end that runs the write service in the caller's event loop."""
 
     def __init__(
         self,
@@ -122,75 +132,107 @@ class WriterBase:
         incremental: bool = False,
         staging: StagingMode = "blocking",
         service: str | os.PathLike[str] | None = None,
+        chunk_bytes: int | None = None,
+        join_seconds: float | None = None,
     ) -> None:
-        for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
-        if isinstance(background_niceness, bool) or background_niceness not in range(20):
-            raise InvalidArgumentError(
-                f"background_niceness must be an int from 0 to 19, not {background_niceness!r}"
-            )
-        if background_niceness and not sys.platform.startswith("linux"):
-            raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
-        if not isinstance(incremental, bool):
-            raise InvalidArgumentError(f"incremental must be a bool, not {incremental!r}")
-        if newer_steps not in _NEWER_STEPS:
-            raise InvalidArgumentError(
-                f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
-            )
-        if staging not in STAGING_MODES:
-            raise InvalidArgumentError(f"staging must be one of {STAGING_MODES}, not {staging!r}")
-        loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
-        self.policy = writer_policy(retention, loose)
-        self.background_niceness = background_niceness
-        self.staging: StagingMode = staging
-        self._stager = Stager() if staging == "overlapped" else None
-        self.newer_steps: NewerSteps = newer_steps
+        self.options = WriterOptions(
+            storage_options=storage_options,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            retention=retention,
+            max_pending=max_pending,
+            max_concurrency=max_concurrency,
+            background_niceness=background_niceness,
+            newer_steps=newer_steps,
+            process_group=process_group,
+            incremental=incremental,
+            staging=staging,
+            service=service,
+            chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
+            join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
+        )
+        """Every option of this writer, checked (write/options.py)."""
         self.root = str(root)
-        self.storage_options = None if storage_options is None else dict(storage_options)
-        self._store = open_store(self.root, self.storage_options)
-        local = self._store.root if isinstance(self._store, LocalStore) else None
-        if local is not None and os.path.exists(local) and not os.path.isdir(local):
-            raise StorageError(
-                errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
-            )
-        self._ranks = _group(process_group)
-        if incremental and self._ranks is not None:
-            self._ranks.close()
+        self._stager = Stager() if staging == "overlapped" else None
+        self._store = _open_root(self.root, self.options.storage_options)
+        try:
+            self._ranks = _group(self.options)
+            self._service = self._open_service()
+        except BaseException:
             self._store.close()
-            raise InvalidArgumentError(
-                "incremental=True is for a writer that saves alone for now: this one saves "
-                f"with {self._ranks.world_size} ranks (pass process_group=checkpointd.LOCAL, "
-                "or drop incremental)"
-            )
-        self.incremental = incremental
-        self.service = None if service is None else os.fspath(service)
-        self._service: WriteService | RemoteService
-        if self.service is None:
-            self._service = WriteService(
-                self._store,
-                self.policy,
-                max_pending,
-                max_concurrency,
-                newer_steps,
-                group=self._ranks,
-                incremental=incremental,
-            )
-        else:
-            from checkpointd.daemon.remote import open_remote
-
-            try:
-                self._service = open_remote(self, max_pending, max_concurrency)
-            except BaseException:
-                if self._ranks is not None:
-                    self._ranks.close()
-                self._store.close()
-                raise
+            raise
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []
         self._closed = False
         self._specs: dict[str, SpecEntry] | None = None  # the previous save's, None: unread
         self._start()
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        """The retention policy in effect (``retention``, or the ``keep_*`` options')."""
+        return self.options.policy
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """The fsspec options of ``root`` (a copy of the ones given)."""
+        options = self.options.storage_options
+        return None if options is None else dict(options)
+
+    @property
+    def background_niceness(self) -> int:
+        return self.options.background_niceness
+
+    @property
+    def newer_steps(self) -> NewerSteps:
+        return self.options.newer_steps
+
+    @property
+    def incremental(self) -> bool:
+        return self.options.incremental
+
+    @property
+    def staging(self) -> StagingMode:
+        return self.options.staging
+
+    @property
+    def service(self) -> str | None:
+        """ "auto" or the socket path of the checkpoint service; None: this process writes."""
+        return self.options.service_path
+
+    def _open_service(self) -> WriteService | RemoteService:
+        """The write service: in this process, or the checkpoint service's stand-in (which
+        refuses what it does not support yet). Closes the group if it cannot be made."""
+        options, ranks = self.options, self._ranks
+        try:
+            if options.incremental and ranks is not None:
+                raise InvalidArgumentError(
+                    "incremental=True is for a writer that saves alone for now: this one saves "
+                    f"with {ranks.world_size} ranks (pass process_group=checkpointd.LOCAL, "
+                    "or drop incremental)"
+                )
+            if options.service is None:
+                return WriteService(
+                    self._store,
+                    options.policy,
+                    options.max_pending,
+                    options.max_concurrency,
+                    options.newer_steps,
+                    group=ranks,
+                    incremental=options.incremental,
+                    chunk_bytes=options.chunk_bytes,
+                )
+            from checkpointd.daemon.remote import open_remote
+
+            return open_remote(
+                self.root, options, ranked=ranks is not None, in_callers_loop=self._in_callers_loop
+            )
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
 
     def _start(self) -> None:
         """Start the write service where the front end runs it; last step of __init__."""
@@ -389,12 +431,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _group(process_group: Any) -> Group | None:
+def _open_root(root: str, storage_options: Mapping[str, Any] | None) -> Store:
+    """The store of a writer's root; StorageError if a local root is a file."""
+    store = open_store(root, storage_options)
+    local = store.root if isinstance(store, LocalStore) else None
+    if local is not None and os.path.exists(local) and not os.path.isdir(local):
+        store.close()
+        raise StorageError(errno.ENOTDIR, f"checkpoint root {root} is a file, not a folder")
+    return store
+
+
+def _group(options: WriterOptions) -> Group | None:
     """The group a writer saves with: none (alone) unless torch.distributed is initialized
     with more than one rank and ``process_group`` is not LOCAL. Imports
     torch.distributed only when it is in use."""
+    process_group = options.process_group
     if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
         return None
     from checkpointd.ranks.group import resolve_group
 
-    return resolve_group(process_group)
+    return resolve_group(process_group, join_seconds=options.join_seconds)

@@ -1,0 +1,159 @@
+"""A writer's options, checked once: one frozen object made from the writer's keywords.
+
+``CheckpointWriter(root, **keywords)`` and ``AsyncCheckpointWriter`` make a
+``WriterOptions`` from their keywords, and the framework plugins make one from
+theirs when they are made, so a bad option is refused there and then with
+InvalidArgumentError, not at the first save. ``WriterKeywords`` types those
+keywords where a plugin forwards them (``CheckpointdIO(**writer_options)``).
+``WriterOptions(...).keywords()`` gives them back for a writer. Any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict, cast
+
+from checkpointd import tunables
+from checkpointd.errors import InvalidArgumentError
+from checkpointd.maintain.retention import RetentionPolicy
+from checkpointd.write.loop import NewerSteps
+from checkpointd.write.staging import STAGING_MODES, StagingMode
+
+__all__ = ["NEWER_STEPS", "WriterKeywords", "WriterOptions"]
+
+NEWER_STEPS: tuple[NewerSteps, ...] = ("error", "keep", "discard")
+
+_RETENTION_KEYWORDS = ("keep_last", "keep_every", "keep_best", "best_metric", "best_mode")
+
+
+class WriterKeywords(TypedDict, total=False):
+    """The keyword arguments of a writer (and of ``WriterOptions``), each optional."""
+
+    storage_options: Mapping[str, Any] | None
+    keep_last: int | None
+    keep_every: int | None
+    keep_best: int | None
+    best_metric: str | None
+    best_mode: Literal["min", "max"]
+    retention: RetentionPolicy | None
+    max_pending: int
+    max_concurrency: int
+    background_niceness: int
+    newer_steps: NewerSteps
+    process_group: Any
+    incremental: bool
+    staging: StagingMode
+    service: str | os.PathLike[str] | None
+    chunk_bytes: int | None
+    join_seconds: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterOptions:
+    """Every option of a checkpoint writer, checked when made (InvalidArgumentError).
+
+    The fields are the writer's keywords (see ``WriterBase``). Retention is given
+    either as ``keep_last``/``keep_every``/``keep_best``/``best_metric``/
+    ``best_mode`` or as ``retention=RetentionPolicy(...)``, not both; ``policy``
+    is the one in effect. ``chunk_bytes`` (bytes handed to storage per write) and
+    ``join_seconds`` (how long the ranks of a save wait for one that has not joined
+    it) default to ``tunables.CHUNK_BYTES`` and ``tunables.JOIN_SECONDS`` as they
+    are when the options are made. ``storage_options`` is copied, ``service``
+    becomes a str.
+    """
+
+    storage_options: Mapping[str, Any] | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: Literal["min", "max"] = "min"
+    retention: RetentionPolicy | None = None
+    max_pending: int = tunables.DEFAULT_MAX_PENDING
+    max_concurrency: int = tunables.DEFAULT_MAX_CONCURRENCY
+    background_niceness: int = 0
+    newer_steps: NewerSteps = "error"
+    process_group: Any = None
+    incremental: bool = False
+    staging: StagingMode = "blocking"
+    service: str | os.PathLike[str] | None = None
+    chunk_bytes: int = field(default_factory=lambda: tunables.CHUNK_BYTES)
+    join_seconds: float = field(default_factory=lambda: tunables.JOIN_SECONDS)
+    policy: RetentionPolicy = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        options = self.storage_options
+        if options is not None:
+            if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+                raise InvalidArgumentError(
+                    f"storage_options must be a mapping with str keys or None, not {options!r}"
+                )
+            object.__setattr__(self, "storage_options", dict(options))
+        for name in ("max_pending", "max_concurrency", "chunk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+        seconds = self.join_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise InvalidArgumentError(
+                f"join_seconds must be a positive number of seconds, not {seconds!r}"
+            )
+        niceness = self.background_niceness
+        if isinstance(niceness, bool) or niceness not in range(20):
+            raise InvalidArgumentError(
+                f"background_niceness must be an int from 0 to 19, not {niceness!r}"
+            )
+        if niceness and not sys.platform.startswith("linux"):
+            raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
+        if not isinstance(self.incremental, bool):
+            raise InvalidArgumentError(f"incremental must be a bool, not {self.incremental!r}")
+        if self.newer_steps not in NEWER_STEPS:
+            raise InvalidArgumentError(
+                f"newer_steps must be one of {NEWER_STEPS}, not {self.newer_steps!r}"
+            )
+        if self.staging not in STAGING_MODES:
+            raise InvalidArgumentError(
+                f"staging must be one of {STAGING_MODES}, not {self.staging!r}"
+            )
+        if self.service is not None:
+            if not isinstance(self.service, str | os.PathLike):
+                raise InvalidArgumentError(
+                    f'service must be None, "auto" or a socket path, not {self.service!r}'
+                )
+            object.__setattr__(self, "service", os.fspath(self.service))
+        object.__setattr__(self, "policy", self._policy())
+
+    def _policy(self) -> RetentionPolicy:
+        """The retention in effect: ``retention``, or the loose keywords' (never both)."""
+        loose = RetentionPolicy(
+            self.keep_last, self.keep_every, self.keep_best, self.best_metric, self.best_mode
+        )
+        if self.retention is None:
+            return loose
+        if not isinstance(self.retention, RetentionPolicy):
+            raise InvalidArgumentError(
+                f"retention must be a RetentionPolicy, not {type(self.retention).__qualname__}"
+            )
+        if loose != RetentionPolicy():
+            raise InvalidArgumentError(
+                f"pass retention=RetentionPolicy(...) or {'/'.join(_RETENTION_KEYWORDS)}, not both"
+            )
+        return self.retention
+
+    @property
+    def service_path(self) -> str | None:
+        """``service`` as a str ("auto" or a socket path), or None: write in-process."""
+        return None if self.service is None else os.fspath(self.service)
+
+    def keywords(self) -> WriterKeywords:
+        """The keywords that make a writer with these options."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return cast(WriterKeywords, given)
+
+    def replace(self, **changes: Any) -> WriterOptions:
+        """These options with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
