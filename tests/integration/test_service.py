@@ -108,8 +108,8 @@ def test_no_service_at_a_path_is_a_service_error(tmp_path: Path) -> None:
 def test_status_does_not_import_torch(service: Service) -> None:
     code = (
         "import sys\n"
-        "from checkpointd import cli\n"
-        "assert cli.main(['status', '--socket', sys.argv[1], '--json']) == 0\n"
+        "from checkpointd.cli.main import main\n"
+        "assert main(['status', '--socket', sys.argv[1], '--json']) == 0\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] == 'torch']\n"
         "assert not loaded, loaded[:5]\n"
     )
