@@ -46,7 +46,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
@@ -65,6 +65,7 @@ from checkpointd.state.rng import RNGState
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import WriteService
+from checkpointd.write.options import WriterKeywords, WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
@@ -140,7 +141,8 @@ class CheckpointdIO(_Base):
     """Saves Lightning checkpoints in the background with checkpointd, durably.
 
     ``writer_options`` go to each ``CheckpointWriter`` (``storage_options`` for
-    S3, ``max_pending``, ``max_concurrency``, ``background_niceness``...);
+    S3, ``max_pending``, ``max_concurrency``, ``background_niceness``...; checked
+    when the plugin is made, InvalidArgumentError);
     retention options are refused (``ModelCheckpoint(save_top_k=...)`` decides
     what is kept). ``restore_rng`` (default True): ``load_checkpoint`` sets the
     process's generators to the saved ones, so a resume continues the same random
@@ -155,7 +157,9 @@ class CheckpointdIO(_Base):
     ``teardown`` waits for every save and raises the first error.
     """
 
-    def __init__(self, *, restore_rng: bool = True, **writer_options: Any) -> None:
+    def __init__(
+        self, *, restore_rng: bool = True, **writer_options: Unpack[WriterKeywords]
+    ) -> None:
         refused = [name for name in _REFUSED if name in writer_options]
         if refused:
             raise InvalidArgumentError(
@@ -164,8 +168,10 @@ class CheckpointdIO(_Base):
             )
         super().__init__()
         self.restore_rng = restore_rng
-        self.writer_options = dict(writer_options)
-        self._storage_options: Mapping[str, Any] | None = writer_options.get("storage_options")
+        self.options = WriterOptions(**writer_options).replace(keep_last=1)
+        """The options of every writer (checked here: InvalidArgumentError); keep_last=1,
+        since each top-k path is a root of its own."""
+        self._storage_options = self.options.storage_options
         self._writers: dict[str, CheckpointWriter] = {}
         self._buffers: list[StagingBuffer] = []
         # Deleting a removed root (and closing its writer) runs off the training thread.
@@ -284,7 +290,7 @@ class CheckpointdIO(_Base):
     def _writer(self, root: str) -> CheckpointWriter:
         writer = self._writers.pop(root, None)  # re-inserted: the dict is in order of use
         if writer is None:
-            writer = _PooledWriter(root, self._buffers, keep_last=1, **self.writer_options)
+            writer = _PooledWriter(root, self._buffers, **self.options.keywords())
             newest = writer._service.newest
             if newest is not None:
                 self._last_step[root] = max(newest, self._last_step.get(root, newest))

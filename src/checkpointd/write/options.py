@@ -31,7 +31,8 @@ _RETENTION_KEYWORDS = ("keep_last", "keep_every", "keep_best", "best_metric", "b
 
 
 class WriterKeywords(TypedDict, total=False):
-    """The keyword arguments of a writer (and of ``WriterOptions``), each optional."""
+    """The keyword arguments of ``WriterOptions`` (and of a writer, which also takes None
+    for ``chunk_bytes`` and ``join_seconds``: their tunables default), each optional."""
 
     storage_options: Mapping[str, Any] | None
     keep_last: int | None
@@ -48,22 +49,65 @@ class WriterKeywords(TypedDict, total=False):
     incremental: bool
     staging: StagingMode
     service: str | os.PathLike[str] | None
-    chunk_bytes: int | None
-    join_seconds: float | None
+    chunk_bytes: int
+    join_seconds: float
 
 
 @dataclass(frozen=True, kw_only=True)
 class WriterOptions:
     """Every option of a checkpoint writer, checked when made (InvalidArgumentError).
 
-    The fields are the writer's keywords (see ``WriterBase``). Retention is given
-    either as ``keep_last``/``keep_every``/``keep_best``/``best_metric``/
-    ``best_mode`` or as ``retention=RetentionPolicy(...)``, not both; ``policy``
-    is the one in effect. ``chunk_bytes`` (bytes handed to storage per write) and
-    ``join_seconds`` (how long the ranks of a save wait for one that has not joined
-    it) default to ``tunables.CHUNK_BYTES`` and ``tunables.JOIN_SECONDS`` as they
-    are when the options are made. ``storage_options`` is copied, ``service``
-    becomes a str.
+    ``storage_options`` reach the root (fsspec; copied). ``keep_last``/``keep_every``/
+    ``keep_best`` with ``best_metric``/``best_mode`` are the retention rules (see
+    RetentionPolicy), or pass ``retention=RetentionPolicy(...)`` instead (not both);
+    ``policy`` is the one in effect. ``max_pending`` snapshots may exist at once (each
+    one staging buffer, reused); ``max_concurrency`` files of a save are written at
+    once; ``background_niceness`` (Linux, CheckpointWriter only) lowers the CPU
+    priority of the writer's threads, so training steps keep the cores while a save
+    is in flight and the save takes longer.
+
+    ``newer_steps`` says what a save of a step older than the newest committed one
+    (after rolling back to an older checkpoint) does: ``"error"`` (default) refuses
+    it with StepOrderError, since readers resume from the newest step and would
+    skip it; ``"discard"`` saves it and, once it is committed, deletes the committed
+    steps newer than it (before retention runs); ``"keep"`` saves it and keeps them.
+    The writer lists the root once when it starts and then tracks its own commits.
+    A step equal to the newest committed one is CheckpointExistsError in every mode.
+
+    ``process_group``: with torch.distributed initialized, None (default) means every
+    rank of the default group saves each checkpoint together (every rank makes the
+    writer and calls ``save`` with the same step; see the README, "Many ranks");
+    ``checkpointd.LOCAL`` makes this process save alone. ``join_seconds`` (default
+    ``tunables.JOIN_SECONDS``): how long the ranks wait for a live rank that has not
+    made the same writer, or called ``save()`` for the same step, before failing.
+
+    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
+    equal one of the writer's previous committed checkpoint is not written again: the
+    manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
+    incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
+    retention and gc delete a blob only when no committed manifest uses it. Single
+    process only for now: with many ranks the writer raises InvalidArgumentError.
+
+    ``staging``: ``"blocking"`` (default) copies the whole state into host memory
+    before ``save()`` returns. ``"overlapped"`` copies the parameters of the
+    optimizers in the state and those optimizers' state tensors in the background
+    while training goes on (a step pre-hook on each such optimizer waits for the
+    copy, so ``optimizer.step()`` cannot change them mid-copy); every other tensor
+    (buffers such as BatchNorm statistics, EMA weights, user tensors) is copied
+    before ``save()`` returns. Only ``optimizer.step()`` is guarded: change those
+    tensors any other way only after ``wait_staged()``. See staging.py.
+
+    ``service``: None (default) writes in this process, in a background thread.
+    ``"auto"`` or a socket path (made a str) writes through the checkpoint service
+    (README, "The checkpoint service"): ``save()`` captures into the service's shared
+    memory and returns once the service owns the snapshot, which then commits even
+    if this process dies. Not yet with many ranks, ``incremental=True``, overlapped
+    staging or AsyncCheckpointWriter (InvalidArgumentError).
+
+    ``chunk_bytes`` (default ``tunables.CHUNK_BYTES``): bytes handed to storage per
+    write while a file or blob streams (in this process; the service uses its own).
+
+    The tunables defaults are read when the options are made.
     """
 
     storage_options: Mapping[str, Any] | None = None

@@ -53,65 +53,15 @@ __all__ = ["WriterBase"]
 class WriterBase:
     """What both front ends share: options, validation, pending handles, error surfacing.
 
-    Options: ``root`` is a local path or fsspec URL (``storage_options`` reach it);
-    ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
-    the retention rules (see RetentionPolicy), or pass ``retention=RetentionPolicy(...)``
-    instead (not both); ``max_pending`` snapshots may exist
-    at once (each one staging buffer, reused); ``max_concurrency`` files of a save
-    are written at once; ``background_niceness`` (Linux, CheckpointWriter only)
-    lowers the CPU priority of the writer's threads, so training steps keep the
-    cores while a save is in flight and the save takes longer.
-
-    ``newer_steps`` says what a save of a step older than the newest committed one
-    (after rolling back to an older checkpoint) does: ``"error"`` (default) refuses
-    it with StepOrderError, since readers resume from the newest step and would
-    skip it; ``"discard"`` saves it and, once it is committed, deletes the committed
-    steps newer than it (before retention runs); ``"keep"`` saves it and keeps them.
-    The writer lists the root once when it starts and then tracks its own commits.
-    A step equal to the newest committed one is CheckpointExistsError in every mode.
-
-    ``process_group``: with torch.distributed initialized, None (default) means every
-    rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see the README, "Many ranks");
-    ``checkpointd.LOCAL`` makes this process save alone.
-
-    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
-    equal one of the writer's previous committed checkpoint is not written again: the
-    manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
-    incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
-    retention and gc delete a blob only when no committed manifest uses it. Single
-    process only for now: with many ranks it raises InvalidArgumentError.
-
-    ``staging``: ``"blocking"`` (default) copies the whole state into host memory
-    before ``save()`` returns. ``"overlapped"`` copies the parameters of the
-    optimizers in the state and those optimizers' state tensors in the background
-    while training goes on (a step pre-hook on each such optimizer waits for the
-    copy, so ``optimizer.step()`` cannot change them mid-copy); every other tensor
-    (buffers such as BatchNorm statistics, EMA weights, user tensors) is copied
-    before ``save()`` returns. Only ``optimizer.step()`` is guarded: change those
-    tensors any other way only after ``wait_staged()``. See staging.py.
-
-    ``service``: None (default) writes in this process, in a background thread.
-    ``"auto"`` or a socket path writes through the checkpoint service (README, "The
-    checkpoint service"): ``save()`` captures into the service's shared memory and
-    returns once the service owns the snapshot, which then commits even if this
-    process dies. Not yet with many ranks, ``incremental=True``, overlapped staging
-    or AsyncCheckpointWriter (InvalidArgumentError).
-
-    ``chunk_bytes`` (default ``tunables.CHUNK_BYTES``): bytes handed to storage per
-    write while a file streams. ``join_seconds`` (default ``tunables.JOIN_SECONDS``):
-    how long the ranks of a save wait for a live rank that has not called ``save()``
-    for the same step (or made this writer) before the save fails naming it.
-
-    Every option is checked when the writer is made (InvalidArgumentError) and kept
-    in ``options`` (a frozen WriterOptions, write/options.py).
+    ``root`` is a local path or fsspec URL. The keywords are the writer's options,
+    each described in ``WriterOptions`` (write/options.py): every one is checked when
+    the writer is made (InvalidArgumentError) and kept in ``options``.
 
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
 
-    _in_callers_loop: ClassVar[bool] = False
-    """True for a front end that runs the write service in the caller's event loop."""
+    _in_callers_loop: ClassVar[bool] = False  # True: the service runs in the caller's loop
 
     def __init__(
         self,
@@ -154,9 +104,8 @@ class WriterBase:
             chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
             join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
         )
-        """Every option of this writer, checked (write/options.py)."""
         self.root = str(root)
-        self._stager = Stager() if staging == "overlapped" else None
+        self._stager = Stager() if self.options.staging == "overlapped" else None
         self._store = _open_root(self.root, self.options.storage_options)
         try:
             self._ranks = _group(self.options)
@@ -178,8 +127,7 @@ class WriterBase:
     @property
     def storage_options(self) -> dict[str, Any] | None:
         """The fsspec options of ``root`` (a copy of the ones given)."""
-        options = self.options.storage_options
-        return None if options is None else dict(options)
+        return None if self.options.storage_options is None else dict(self.options.storage_options)
 
     @property
     def background_niceness(self) -> int:
@@ -199,7 +147,6 @@ class WriterBase:
 
     @property
     def service(self) -> str | None:
-        """ "auto" or the socket path of the checkpoint service; None: this process writes."""
         return self.options.service_path
 
     def _open_service(self) -> WriteService | RemoteService:
