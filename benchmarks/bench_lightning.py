@@ -12,7 +12,6 @@ and the median time a save held the training loop, with ratios to the default.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.framework_runs import print_table, summarize
 
 IOS = ("torch", "async", "checkpointd")
 
@@ -109,31 +110,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                     )
                 )
     mib = args.layers * (args.width * args.width + args.width) * 4 * 3 / 2**20
-    summary = {
-        io: {
-            "fit_s": statistics.median(run["fit"] for run in rs),
-            "blocked_ms": 1000 * statistics.median(b for run in rs for b in run["blocked"]),
-            "saves": statistics.median(len(run["blocked"]) for run in rs),
-        }
-        for io, rs in runs.items()
-    }
-    base = summary["torch"]
+    summary = summarize(runs, "fit", "fit_s")
     print(
         f"Lightning fit, {args.steps} steps, a save every {args.every} "
         f"(~{mib:.0f} MiB each: weights + AdamW), median of {args.repeat}"
     )
-    print(f"{'CheckpointIO':<22}{'fit s':>8}{'x':>7}{'blocked/save ms':>17}{'x':>7}{'saves':>7}")
     names = {
         "torch": "TorchCheckpointIO",
         "async": "AsyncCheckpointIO",
         "checkpointd": "CheckpointdIO",
     }
-    for io, row in summary.items():
-        print(
-            f"{names[io]:<22}{row['fit_s']:>8.2f}{row['fit_s'] / base['fit_s']:>7.2f}"
-            f"{row['blocked_ms']:>17.1f}{row['blocked_ms'] / base['blocked_ms']:>7.2f}"
-            f"{row['saves']:>7.0f}"
-        )
+    print_table(summary, key="fit_s", base="torch", first_column="CheckpointIO", names=names)
     return summary
 
 

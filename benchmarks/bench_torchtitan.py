@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.framework_runs import print_table, summarize
 
 MANAGERS = ("dcp", "checkpointd")
 
@@ -132,28 +133,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         for r in range(args.repeat):
             for kind in MANAGERS:
                 runs[kind].append(run_once(kind, work, args, r))
-    summary = {
-        kind: {
-            "run_s": statistics.median(run["total"] for run in rs),
-            "blocked_ms": 1000 * statistics.median(b for run in rs for b in run["blocked"]),
-            "saves": statistics.median(len(run["blocked"]) for run in rs),
-        }
-        for kind, rs in runs.items()
-    }
+    summary = summarize(runs, "total", "run_s")
     mib = args.layers * (args.width * args.width + args.width) * 4 * 3 / 2**20
-    base = summary["dcp"]
     print(
         f"torchtitan checkpointer, 2 gloo ranks, FSDP2, {args.steps} steps, a save every "
         f"{args.every} (~{mib:.0f} MiB each: weights + AdamW), median of {args.repeat}"
     )
-    print(f"{'manager':<22}{'run s':>8}{'x':>7}{'blocked/save ms':>17}{'x':>7}{'saves':>7}")
     names = {"dcp": "CheckpointManager", "checkpointd": "CheckpointdManager"}
-    for kind, row in summary.items():
-        print(
-            f"{names[kind]:<22}{row['run_s']:>8.2f}{row['run_s'] / base['run_s']:>7.2f}"
-            f"{row['blocked_ms']:>17.1f}{row['blocked_ms'] / base['blocked_ms']:>7.2f}"
-            f"{row['saves']:>7.0f}"
-        )
+    print_table(summary, key="run_s", base="dcp", first_column="manager", names=names)
     return summary
 
 

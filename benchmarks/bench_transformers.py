@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 import warnings
 from typing import Any
+
+from benchmarks.framework_runs import print_table, summarize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -110,28 +111,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                     layers=args.layers,
                 )
                 runs[kind].append(run)
-    summary = {
-        kind: {
-            "train_s": statistics.median(run["train"] for run in rs),
-            "blocked_ms": 1000 * statistics.median(b for run in rs for b in run["blocked"]),
-            "saves": statistics.median(len(run["blocked"]) for run in rs),
-        }
-        for kind, rs in runs.items()
-    }
+    summary = summarize(runs, "train", "train_s")
     mib = runs["trainer"][0]["mib"]
-    base = summary["trainer"]
     print(
         f"Trainer.train, {args.steps} steps, a save every {args.every} "
         f"(~{mib:.0f} MiB each: weights + AdamW), median of {args.repeat}"
     )
-    print(f"{'saving':<22}{'train s':>9}{'x':>7}{'blocked/save ms':>17}{'x':>7}{'saves':>7}")
     names = {"trainer": "Trainer (its own)", "checkpointd": "CheckpointdTrainer"}
-    for kind, row in summary.items():
-        print(
-            f"{names[kind]:<22}{row['train_s']:>9.2f}{row['train_s'] / base['train_s']:>7.2f}"
-            f"{row['blocked_ms']:>17.1f}{row['blocked_ms'] / base['blocked_ms']:>7.2f}"
-            f"{row['saves']:>7.0f}"
-        )
+    print_table(summary, key="train_s", base="trainer", first_column="saving", names=names)
     return summary
 
 
