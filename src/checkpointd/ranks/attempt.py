@@ -114,7 +114,7 @@ class Attempt:
 
     def give_up(self, why: str) -> bytes:
         """Propose ``abandoned`` for ``why`` (prefixed with this rank); the outcome that holds."""
-        return self.decide(_ABANDONED + f"rank {self.group.rank}: {why}".encode())
+        return self.decide(_ABANDONED + f"{self.group.name(self.group.rank)}: {why}".encode())
 
     def outcome(self) -> bytes | None:
         """The decided outcome, or None while undecided."""
@@ -181,18 +181,19 @@ async def reason_to_give_up(
 ) -> str | None:
     """Why this rank gives up waiting for ``missing`` (closed, dead, or, with ``since``,
     absent for the group's ``join_seconds`` since then), or None to keep waiting. Event loop."""
+    named = attempt.group.named
     closed = await anyio.to_thread.run_sync(attempt.closed, missing)
     if closed:
-        return f"rank(s) {closed} closed their writer without taking part in it"
+        return f"{named(closed)} closed their writer without taking part in it"
     dead = await anyio.to_thread.run_sync(attempt.dead, missing)
     if dead:
-        return f"rank(s) {dead} stopped responding (no heartbeat for {tunables.STALE_SECONDS}s)"
+        return f"{named(dead)} stopped responding (no heartbeat for {tunables.STALE_SECONDS}s)"
     join_seconds = attempt.group.join_seconds
     if since is not None and time.monotonic() - since > join_seconds:
         return (
-            f"rank(s) {missing} did not join it within {join_seconds}s; every rank "
-            f"must call save({attempt.step}) (to save from one process alone, make its writer "
-            "with process_group=checkpointd.LOCAL)"
+            f"{named(missing)} did not join it within {join_seconds}s; every rank "
+            f"of the group must call save({attempt.step}) (to save from one process alone, "
+            "make its writer with process_group=checkpointd.LOCAL)"
         )
     return None
 

@@ -3,7 +3,9 @@
 Coordination goes through the job's c10d store (the key-value store that
 torch.distributed was initialized with), never through a collective on the
 training's process group, which would interleave with the training's own
-collectives. Each writer of a multi-rank job owns a key prefix in that store;
+collectives. A writer saves with the default group or with a sub-group (its own
+ranks only); each writer owns a key prefix in that store, named by its group's
+ranks and its root, so groups that share the store never meet each other's keys;
 a heartbeat thread per writer bumps a counter there, so another rank tells a
 dead rank (its counter stops) from a slow one (its counter moves). torch is
 imported lazily: ``import checkpointd`` stays free of it.
@@ -12,17 +14,30 @@ imported lazily: ``import checkpointd`` stays free of it.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import hashlib
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any, Final
 
+import msgspec
+
 from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RankFailedError
 
-__all__ = ["LOCAL", "Group", "Liveness", "PerRank", "rank_key", "resolve_group", "split_state"]
+__all__ = [
+    "LOCAL",
+    "Group",
+    "Liveness",
+    "PerRank",
+    "per_rank_targets",
+    "place_in",
+    "rank_key",
+    "resolve_group",
+    "split_state",
+]
 
 
 class _Local:
@@ -46,7 +61,9 @@ LOCAL: Final = _Local()
 """``process_group=checkpointd.LOCAL``: this process saves alone, as if torch.distributed
 were not initialized (its own checkpoint; no other rank takes part)."""
 
-_writer_numbers = itertools.count()
+_writers: dict[str, int] = {}
+"""Writers made so far in this process, per pairing key (a group's ranks and a root)."""
+_writers_lock = threading.Lock()
 
 
 class PerRank:
@@ -99,12 +116,14 @@ def split_state(
 class Group:
     """The ranks that save one checkpoint together, and this writer's view of the store.
 
-    ``rank``/``world_size`` are this process's place in the group, ``publisher`` the
-    rank that publishes manifests and runs retention. ``store`` is a clone of the
-    job's c10d store (a connection of its own) under a prefix owned by this writer;
-    ``token`` is agreed by every rank when the writer is made (it names the files).
-    ``join_seconds`` is how long a save waits for a live rank that has not joined it
-    (the writer's option). Thread-safe: c10d stores lock each operation.
+    ``rank``/``world_size`` are this process's place in the group (group ranks: what
+    the manifest records and the store's keys use), ``ranks`` the group's global ranks
+    in group-rank order, ``publisher`` the rank that publishes manifests and runs
+    retention. ``store`` is a clone of the job's c10d store (a connection of its own)
+    under a prefix owned by this writer; ``token`` is agreed by every rank when the
+    writer is made (it names the files). ``join_seconds`` is how long a save waits for
+    a live rank that has not joined it (the writer's option). Thread-safe: c10d stores
+    lock each operation.
     """
 
     def __init__(
@@ -113,6 +132,7 @@ class Group:
         rank: int,
         world_size: int,
         token: str,
+        ranks: tuple[int, ...] | None = None,
         *,
         join_seconds: float,
     ) -> None:
@@ -120,6 +140,7 @@ class Group:
         self.join_seconds = join_seconds
         self.rank = rank
         self.world_size = world_size
+        self.ranks = tuple(range(world_size)) if ranks is None else ranks
         self.publisher = 0
         self.token = token
         self._attempts: dict[int, int] = {}
@@ -133,6 +154,20 @@ class Group:
     def publishes(self) -> bool:
         """True on the rank that publishes manifests and runs retention."""
         return self.rank == self.publisher
+
+    def named(self, ranks: list[int]) -> str:
+        """``ranks`` (group ranks) in words: "rank(s) [1]", with their global ranks where
+        they differ (a sub-group)."""
+        names = f"rank(s) {ranks}"
+        if self.ranks == tuple(range(self.world_size)):
+            return names
+        return f"{names} of the group (global {[self.ranks[r] for r in ranks]})"
+
+    def name(self, rank: int) -> str:
+        """Group rank ``rank`` in words: "rank 1", or "rank 1 (global 2)" in a sub-group."""
+        if self.ranks == tuple(range(self.world_size)):
+            return f"rank {rank}"
+        return f"rank {rank} (global {self.ranks[rank]})"
 
     def attempt(self, step: int) -> int:
         """The number of this writer's attempt at ``step`` (0 first). Caller thread."""
@@ -188,9 +223,10 @@ class Liveness:
         return gone
 
 
-def _default_group_info(process_group: Any) -> tuple[Any, int, int] | None:
-    """(store, rank, world size) of ``process_group`` (None: the default group), or None
-    if torch.distributed is not initialized."""
+def _group_info(process_group: Any) -> tuple[Any, int, tuple[int, ...]] | None:
+    """(job store, this process's rank in ``process_group``, the group's global ranks in
+    group-rank order) for a group or the default one (None); None if torch.distributed is
+    not initialized. Raises InvalidArgumentError for a group this process is not in."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -200,36 +236,53 @@ def _default_group_info(process_group: Any) -> tuple[Any, int, int] | None:
                 "process_group was given but torch.distributed is not initialized"
             )
         return None
-    store = distributed_c10d._get_default_store()
-    rank = dist.get_rank(process_group)
-    world_size = dist.get_world_size(process_group)
-    if process_group is not None and world_size != dist.get_world_size():
+    if process_group is None:
+        ranks = tuple(range(dist.get_world_size()))
+    elif process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
         raise InvalidArgumentError(
-            "only the default process group (process_group=None) or checkpointd.LOCAL are "
-            "supported for now"
+            f"this process (rank {dist.get_rank()}) is not a member of process_group: only "
+            "the group's ranks make its writers"
         )
-    return store, rank, world_size
+    else:
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+    store = distributed_c10d._get_default_store()
+    return store, dist.get_rank(process_group), ranks
 
 
-def resolve_group(process_group: Any, *, join_seconds: float) -> Group | None:
-    """The Group a writer made with ``process_group`` saves with; None to save alone.
+def _pairing_key(ranks: tuple[int, ...], root: str) -> str:
+    """What the writers of one group on one root agree on without talking: their store
+    prefix names the group's ranks and the root, so another group (or another root)
+    sharing the job's store never meets their keys."""
+    text = msgspec.json.encode([list(ranks), root])
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def resolve_group(process_group: Any, root: str, *, join_seconds: float) -> Group | None:
+    """The Group a writer of ``root`` made with ``process_group`` saves with; None to
+    save alone.
 
     None means the default group when torch.distributed is initialized (and alone
-    otherwise, or with one rank); LOCAL means alone. Every rank of the group must
-    make its writers in the same order: the n-th writer of each rank agree on a
-    token through the store (rank 0 draws it; others wait up to ``join_seconds``).
+    otherwise, or with one rank); LOCAL means alone; a process group (a pipeline stage,
+    a subset of the ranks made by ``new_group``) means its ranks, and only they take
+    part. The writers that save together are paired by the group's ranks, ``root``
+    (the same URL on every rank) and their number among this process's writers of that
+    group and root: every rank of the group makes its writers of a root in the same
+    order. Group rank 0 draws the token; the others wait up to ``join_seconds``.
     Caller thread, blocking.
     """
     if process_group is LOCAL:
         return None
-    info = _default_group_info(process_group)
-    if info is None or info[2] == 1:
+    info = _group_info(process_group)
+    if info is None or len(info[2]) == 1:
         return None
     from torch.distributed.distributed_c10d import PrefixStore
 
-    job_store, rank, world_size = info
-    number = next(_writer_numbers)
-    store = PrefixStore(f"checkpointd/w{number}/", job_store.clone())
+    job_store, rank, ranks = info
+    key = _pairing_key(ranks, root)
+    with _writers_lock:
+        number = _writers.get(key, 0)
+        _writers[key] = number + 1
+    store = PrefixStore(f"checkpointd/{key}/w{number}/", job_store.clone())
     if rank == 0:
         token = secrets.token_hex(4)
         store.set("token", token)
@@ -237,13 +290,15 @@ def resolve_group(process_group: Any, *, join_seconds: float) -> Group | None:
         try:
             store.wait(["token"], _timedelta(join_seconds))
         except Exception:
+            first = "rank 0" if ranks[0] == 0 else f"rank {ranks[0]} (rank 0 of the group)"
             raise RankFailedError(
-                f"rank 0 did not make its writer number {number} within "
-                f"{join_seconds}s: every rank must make the same writers in the "
-                "same order (or pass process_group=checkpointd.LOCAL to save alone)"
+                f"{first} did not make its writer number {number} of {root} within "
+                f"{join_seconds}s: every rank of the group must make the same "
+                "writers of a root in the same order (or pass "
+                "process_group=checkpointd.LOCAL to save alone)"
             ) from None
         token = store.get("token").decode()
-    return Group(store, rank, world_size, token, join_seconds=join_seconds)
+    return Group(store, rank, len(ranks), token, ranks, join_seconds=join_seconds)
 
 
 def _timedelta(seconds: float) -> Any:
@@ -253,19 +308,20 @@ def _timedelta(seconds: float) -> Any:
 
 
 def per_rank_targets(
-    manifest: Any, targets: Mapping[str, Any], strict: bool
+    manifest: Any, targets: Mapping[str, Any], strict: bool, place: tuple[int, int] = (0, 1)
 ) -> tuple[dict[str, Any], set[str], tuple[str, ...]]:
     """``targets`` as restore reads them: ``PerRank`` targets unwrapped (the dict given to
     ``save`` restores as it is), a per-rank component's target mapped to this rank's
     component; the components of other ranks (to ignore); the per-rank targets skipped
     because the world size changed (``strict=False``; else RestoreMismatchError).
-    This process is rank 0 of 1 unless torch.distributed is initialized. Training thread."""
+    ``place``: this process's (rank, world size) in the group that restores
+    (``place_in``). Training thread."""
     from checkpointd.errors import RestoreMismatchError
 
     targets = {n: t.obj if isinstance(t, PerRank) else t for n, t in targets.items()}
     if not manifest.per_rank:
         return targets, set(), ()
-    rank, world = _rank_and_world()
+    rank, world = place
     mapped: dict[str, Any] = {}
     others: set[str] = set()
     skipped: list[str] = []
@@ -278,7 +334,8 @@ def per_rank_targets(
         elif strict:
             raise RestoreMismatchError(
                 f"per-rank component {name!r} was saved by {len(keys)} ranks and this job "
-                f"has {world}: pass strict=False to restore without it"
+                f"has {world}: pass strict=False to restore without it (or, if a "
+                "sub-group saved it, that group as process_group=)"
             )
         else:
             skipped.append(name)
@@ -288,9 +345,15 @@ def per_rank_targets(
     return mapped, others, tuple(skipped)
 
 
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def place_in(process_group: Any) -> tuple[int, int]:
+    """(rank, world size) of this process in ``process_group`` as restore sees it: LOCAL,
+    or torch.distributed not initialized, is (0, 1); None the default group; a group
+    its own ranks (InvalidArgumentError if this process is not in it). Caller thread."""
+    if process_group is LOCAL:
+        return 0, 1
+    if process_group is None and "torch.distributed" not in sys.modules:
+        return 0, 1
+    info = _group_info(process_group)
+    if info is None:
+        return 0, 1
+    return info[1], len(info[2])

@@ -78,6 +78,8 @@ class Prepared:
     unexpected: tuple[str, ...]
     saved_world: int
     where: str
+    world: int = 1
+    """The world size of the group that restores (this job's, or a sub-group's)."""
 
     def skipped_message(self) -> str:
         """What ``strict=False`` left out, in words ("" if nothing)."""
@@ -87,24 +89,25 @@ class Prepared:
         if self.other_world:
             parts.append(
                 f"per-rank targets {list(self.other_world)} (their components were saved by "
-                f"{self.saved_world} ranks, this job has {_world_size()})"
+                f"{self.saved_world} ranks, this job has {self.world})"
             )
         if self.unexpected:
             parts.append(f"components without a target {list(self.unexpected)}")
         return "; ".join(parts)
 
 
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def prepare(
-    store: Store, found_step: int, manifest: Manifest, targets: Mapping[str, Any], strict: bool
+    store: Store,
+    found_step: int,
+    manifest: Manifest,
+    targets: Mapping[str, Any],
+    strict: bool,
+    *,
+    place: tuple[int, int] = (0, 1),
 ) -> Prepared:
-    """Match one step's components to the targets and read them; touches no target."""
-    targets, others, skipped = per_rank_targets(manifest, targets, strict)
+    """Match one step's components to the targets and read them; touches no target.
+    ``place``: this process's (rank, world size) in the group that restores."""
+    targets, others, skipped = per_rank_targets(manifest, targets, strict, place)
     names = [n for n in targets if n in manifest.components]
     missing = tuple(n for n in targets if n not in manifest.components)
     unexpected = tuple(n for n in manifest.components if n not in targets and n not in others)
@@ -149,6 +152,7 @@ def prepare(
         unexpected,
         saved_world,
         reader.where,
+        place[1],
     )
 
 

@@ -26,6 +26,7 @@ from checkpointd.errors import (
 )
 from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.maintain.lineage import note_resumed
+from checkpointd.ranks.group import place_in
 from checkpointd.read import catalog, inplace
 from checkpointd.read.apply import Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
@@ -232,6 +233,7 @@ def restore(
     storage_options: Mapping[str, Any] | None = None,
     strict: bool = True,
     service: str | None = None,
+    process_group: Any = None,
 ) -> RestoreInfo:
     """Load a checkpoint and ``load_state_dict`` it into the live ``targets``, all or nothing.
 
@@ -252,7 +254,14 @@ def restore(
     ``step``) in memory, committed with the very manifest storage has, it is read
     from there, with every check made on storage (``info.source == "memory"``);
     otherwise (no service, not held, a mismatch) from storage.
+
+    ``process_group`` says which rank's per-rank components (``PerRank``, ``RNGState``)
+    this process gets: None the default group's (this process alone without
+    torch.distributed), a sub-group its rank there (the group a writer saved with),
+    ``checkpointd.LOCAL`` those of rank 0 of 1. DTensors reshard by their own meshes;
+    restore itself makes no collective call.
     """
+    place = place_in(process_group)
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
@@ -260,10 +269,12 @@ def restore(
             if held is not None:
                 memory, found = held
                 try:
-                    return restore_from(memory, targets, found, strict, source="memory")
+                    return restore_from(
+                        memory, targets, found, strict, source="memory", place=place
+                    )
                 except (CorruptCheckpointError, CheckpointNotFoundError):
                     pass  # a damaged or partial copy: storage decides
-    return restore_from(open_store(str(root), storage_options), targets, step, strict)
+    return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)
 
 
 def restore_from(
@@ -273,12 +284,14 @@ def restore_from(
     strict: bool,
     *,
     source: str = "storage",
+    place: tuple[int, int] = (0, 1),
 ) -> RestoreInfo:
-    """``restore`` from an open ``store`` (closed here); ``source`` goes in the info."""
+    """``restore`` from an open ``store`` (closed here); ``source`` goes in the info,
+    ``place`` is this process's (rank, world size) in the group that restores."""
     try:
 
         def attempt(found: int, manifest: Manifest) -> Prepared:
-            return prepare(store, found, manifest, targets, strict)
+            return prepare(store, found, manifest, targets, strict, place=place)
 
         prepared, skipped_steps = _newest_good(store, step, attempt)
     finally:

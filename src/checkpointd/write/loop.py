@@ -19,6 +19,7 @@ from checkpointd.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    StagingError,
     WriterClosedError,
 )
 from checkpointd.format.manifest import CheckpointInfo, Manifest
@@ -39,6 +40,7 @@ from checkpointd.write.plan import Snapshot, plan_snapshot
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
     from checkpointd.write.incremental import IncrementalSaver
+    from checkpointd.write.staging import Staging
 
 __all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
 
@@ -150,7 +152,7 @@ class WriteService:
         try:
             try:
                 if handle._staging is not None:  # overlapped: the copy may still run
-                    await handle._staging.wait_async()
+                    await self._staged(handle._staging, snapshot)
                 info = await self._commit(snapshot, limiter)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
@@ -187,6 +189,21 @@ class WriteService:
             self.failures.add(first_leaf(exc))
         finally:
             handle._resolve(info, None)
+
+    async def _staged(self, staging: Staging, snapshot: Snapshot) -> None:
+        """Wait for a save's background copy; if it failed, abandon this attempt for every
+        rank of the group first (they fail at once, not after join_seconds), then raise."""
+        try:
+            await staging.wait_async()
+        except StagingError as exc:
+            if self.group is not None:
+                from checkpointd.ranks.attempt import abandon
+
+                why = f"its staging failed ({exc})"
+                await anyio.to_thread.run_sync(
+                    abandon, self.group, snapshot.step, snapshot.attempt, why
+                )
+            raise
 
     async def _commit(self, snapshot: Snapshot, limiter: anyio.CapacityLimiter) -> CheckpointInfo:
         """Plan and commit one snapshot: alone, or as this rank's part of a group's save."""

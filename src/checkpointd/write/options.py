@@ -76,7 +76,9 @@ class WriterOptions:
 
     ``process_group``: with torch.distributed initialized, None (default) means every
     rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see the README, "Many ranks");
+    writer and calls ``save`` with the same step; see the README, "Many ranks"); a
+    process group (``new_group``: a pipeline stage, a subset of ranks) means its ranks
+    alone save together, and other ranks need not make a writer;
     ``checkpointd.LOCAL`` makes this process save alone. ``join_seconds`` (default
     ``tunables.JOIN_SECONDS``): how long the ranks wait for a live rank that has not
     made the same writer, or called ``save()`` for the same step, before failing.

@@ -8,7 +8,7 @@ action (SIG_DFL, which would end the process) is replaced, not chained: the
 loop is expected to see ``writer.preempted``, save and exit on its own.
 
 In a job of many ranks each rank sees its own signal, perhaps at another step:
-``any_rank`` makes them agree, one small all_reduce on the training's process
+``any_rank`` makes them agree, one small all_reduce on the writer's process
 group at each step boundary, and only for writers that watch. Install and
 remove from the main thread (Python delivers signals there).
 """
@@ -68,16 +68,17 @@ class PreemptionWatch:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def any_rank(flag: bool) -> bool:
-    """True if ``flag`` is True on any rank of the default process group: one all_reduce
-    (MAX) of one integer, on the device the group's backend needs. A collective: every
-    rank calls it at the same step boundary, from the training thread."""
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True if ``flag`` is True on any rank of ``group`` (None: the default process
+    group): one all_reduce (MAX) of one integer, on the device the group's backend
+    needs. A collective: every rank of the group calls it at the same step boundary,
+    from the training thread."""
     import torch
     import torch.distributed as dist
 
     device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()).lower():
+    if "nccl" in str(dist.get_backend(group)).lower():
         device = torch.device("cuda", torch.cuda.current_device())
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())

@@ -161,8 +161,8 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         second signal during the save only sets the flag again, so the save
         completes (or, if the process is killed, nothing of it is published).
         Call from the training thread at a step boundary. With many ranks it is
-        a collective (one small all_reduce on the default group, only while
-        watching): if any rank was signalled, every rank saves this step.
+        a collective (one small all_reduce on the writer's process group, only
+        while watching): if any rank was signalled, every rank saves this step.
         """
         if self._preemption is None:
             return False
@@ -170,7 +170,7 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         if self._ranks is not None and not self._preemption_saved:
             from checkpointd.write.preemption import any_rank
 
-            preempted = any_rank(preempted)
+            preempted = any_rank(preempted, self.options.process_group)
         if not preempted and not self._preemption_saved:
             return False
         if not self._preemption_saved:

@@ -32,7 +32,7 @@ from checkpointd.errors import (
 from checkpointd.format.layout import MAX_STEP, is_step
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.ranks.group import LOCAL, Group, split_state
+from checkpointd.ranks.group import LOCAL, Group, resolve_group, split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.storage import LocalStore, Store, open_store
 from checkpointd.write import lifecycle
@@ -108,7 +108,8 @@ class WriterBase:
         self._stager = Stager() if self.options.staging == "overlapped" else None
         self._store = _open_root(self.root, self.options.storage_options)
         try:
-            self._ranks = _group(self.options)
+            local = self._store.root if isinstance(self._store, LocalStore) else None
+            self._ranks = _group(self.options, local or self._store.url.rstrip("/"))
             self._service = self._open_service()
         except BaseException:
             self._store.close()
@@ -146,7 +147,7 @@ class WriterBase:
         return self.options.staging
 
     @property
-    def service(self) -> str | None:
+    def service(self) -> str | None:  # "auto" or a socket path; None: in this process
         return self.options.service_path
 
     def _open_service(self) -> WriteService | RemoteService:
@@ -367,7 +368,12 @@ class WriterBase:
 
     def _restore(self, targets: Mapping[str, Any], step: int | None, strict: bool) -> RestoreInfo:
         return restore(
-            self.root, targets, step, storage_options=self.storage_options, strict=strict
+            self.root,
+            targets,
+            step,
+            storage_options=self.storage_options,
+            strict=strict,
+            process_group=self.options.process_group,
         )
 
 
@@ -388,13 +394,10 @@ def _open_root(root: str, storage_options: Mapping[str, Any] | None) -> Store:
     return store
 
 
-def _group(options: WriterOptions) -> Group | None:
-    """The group a writer saves with: none (alone) unless torch.distributed is initialized
-    with more than one rank and ``process_group`` is not LOCAL. Imports
-    torch.distributed only when it is in use."""
+def _group(options: WriterOptions, root: str) -> Group | None:
+    """The group a writer of ``root`` saves with: none (alone) unless torch.distributed is
+    initialized with more than one rank in ``process_group`` and it is not LOCAL."""
     process_group = options.process_group
     if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
         return None
-    from checkpointd.ranks.group import resolve_group
-
-    return resolve_group(process_group, join_seconds=options.join_seconds)
+    return resolve_group(process_group, root, join_seconds=options.join_seconds)
