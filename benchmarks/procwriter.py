@@ -99,7 +99,8 @@ def _serve(name: str, nbytes: int) -> None:
     shm = SharedMemory(name=name)
     from multiprocessing import resource_tracker
 
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    # the tracker registered the segment under its private (slash-prefixed) name
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
     view = shm.buf[:nbytes]
     try:
         for line in sys.stdin:

@@ -233,4 +233,4 @@ def test_spec_refuses_private_paths() -> None:
     from torch.nn.attention import _fa3
 
     with pytest.raises(checkpointd.InvalidArgumentError, match="private name '_fa3'"):
-        checkpointd.spec(_fa3._fa3_import_module, "tests.support.specprobe")
+        checkpointd.spec(_fa3._fa3_import_module, "tests.support.specprobe")  # noqa: SLF001 - the point: a private name is refused

@@ -90,9 +90,9 @@ def test_close_waits_for_a_save_still_staging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real = staging_module._copy_in_background
+    real = staging_module.copy_in_background
     monkeypatch.setattr(
-        staging_module, "_copy_in_background", lambda copies: (gate.wait(60), real(copies))
+        staging_module, "copy_in_background", lambda copies: (gate.wait(60), real(copies))
     )
     model = Counted(tensors=2, numel=16)
     optimizer = FillOptimizer(model.parameters())
@@ -128,8 +128,8 @@ before = model.weight.detach().clone()
 _FORK_SCRIPT = _SCRIPT_HEAD + textwrap.dedent(
     """
     gate = threading.Event()
-    real = staging._copy_in_background
-    staging._copy_in_background = lambda copies: (gate.wait(60), real(copies))
+    real = staging.copy_in_background
+    staging.copy_in_background = lambda copies: (gate.wait(60), real(copies))
     writer = checkpointd.CheckpointWriter(root, staging="overlapped")
     handle = writer.save(1, {"model": model, "optimizer": optimizer})
     pid = os.fork()

@@ -25,6 +25,7 @@ from checkpointd.maintain.retention import RetentionPolicy, delete_checkpoints
 from checkpointd.read import catalog
 from checkpointd.read.verify import verify_step
 from checkpointd.storage import Store, open_store
+from checkpointd.write.incremental import IncrementalSaver
 from tests.conftest import Root
 from tests.faults.helpers import same
 from tests.support.gates import hold_local_writes
@@ -256,7 +257,7 @@ def test_async_writer_saves_incrementally(local_root: Root) -> None:
 def test_incremental_with_many_ranks_is_refused(
     local_root: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import checkpointd.write.writer_base
+    from checkpointd.write import opening
 
     closed: list[bool] = []
 
@@ -266,19 +267,26 @@ def test_incremental_with_many_ranks_is_refused(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr(checkpointd.write.writer_base, "_group", lambda _: TwoRanks())
+    monkeypatch.setattr(opening, "open_group", lambda *_: TwoRanks())
     with pytest.raises(InvalidArgumentError, match="2 ranks"):
         checkpointd.CheckpointWriter(local_root.url, incremental=True)
     assert closed == [True]
 
 
 def test_a_tensor_unchanged_at_the_last_save_is_hashed_at_capture_not_copied(
-    local_root: Root,
+    local_root: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base = frozen_base()
+    savers: list[IncrementalSaver] = []  # the writer's, made when it opens
+    real_init = IncrementalSaver.__init__
+
+    def init(self: IncrementalSaver, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        savers.append(self)
+
+    monkeypatch.setattr(IncrementalSaver, "__init__", init)
     with checkpointd.CheckpointWriter(local_root.url, incremental=True) as writer:
-        saver = writer._service.incremental
-        assert saver is not None
+        (saver,) = savers
         writer.save(1, lora_state(1, base)).result()  # writes the base
         writer.save(2, lora_state(2, base)).result()  # finds it unchanged in the background
         assert saver.stats.prehashed == 0

@@ -24,6 +24,7 @@ from checkpointd.integrations.lightning import CheckpointdIO, last_checkpoint
 from checkpointd.storage.local import LocalStore
 from tests.conftest import Root
 from tests.support import lightning_job
+from tests.support.torch_private import state_dict_metadata
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated"),
@@ -86,7 +87,7 @@ def test_lightning_dict_round_trips_without_pickle(
     loaded = CheckpointdIO(restore_rng=False).load_checkpoint(tmp_path / "last.ckpt")
     assert _dict_equal(loaded, _Spy.last)
     assert isinstance(loaded["state_dict"], dict)
-    assert loaded["state_dict"]._metadata  # type: ignore[attr-defined]
+    assert state_dict_metadata(loaded["state_dict"])
     assert loaded["pytorch-lightning_version"] == pl.__version__
     names = {p.name.split(".")[-1] for p in (tmp_path / "last.ckpt").rglob("*") if p.is_file()}
     assert names <= {"json", "msgpack", "safetensors"}
@@ -216,13 +217,21 @@ def test_top_k_rotation_reuses_one_staging_buffer_and_deletes_in_background(
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
+    handles: list[checkpointd.SaveHandle] = []  # each save the plugin makes
+    real_save = checkpointd.CheckpointWriter.save
+
+    def save(self: checkpointd.CheckpointWriter, *args: Any, **kwargs: Any) -> Any:
+        handles.append(real_save(self, *args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(checkpointd.CheckpointWriter, "save", save)
     io = CheckpointdIO(restore_rng=False)
     paths = [tmp_path / f"epoch=0-step={step}.ckpt" for step in range(1, 7)]
     for step, path in enumerate(paths, 1):
         io.save_checkpoint(_tiny(step), path)
         if step > 1:
             io.remove_checkpoint(paths[step - 2])
-        io._handles[-1][1].result(30)  # the next save finds the previous one done
+        handles[-1].result(30)  # the next save finds the previous one done
     io.teardown()
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=6.ckpt"]
     # Two: the new save is taken before the replaced root is removed (6 without the pool).

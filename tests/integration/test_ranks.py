@@ -164,7 +164,7 @@ def test_a_save_only_rank_0_joins_fails_naming_the_missing_rank(tmp_path: Path) 
 def test_a_writer_saves_alone_without_a_group_or_with_local(tmp_path: Path, how: str) -> None:
     kwargs: dict[str, Any] = {} if how == "uninitialized" else {"process_group": checkpointd.LOCAL}
     with checkpointd.CheckpointWriter(str(tmp_path), **kwargs) as writer:
-        assert writer._ranks is None
+        assert writer.world_size == 1
         state = {"x": {"t": torch.ones(3)}, "p": checkpointd.PerRank(Position(3))}
         info = writer.save(1, state).result()
     assert info.step == 1

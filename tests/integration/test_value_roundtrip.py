@@ -20,6 +20,7 @@ import torch
 import checkpointd
 from checkpointd import tunables
 from checkpointd.errors import UnsupportedValueError
+from tests.support.torch_private import neg_view, set_state_dict_metadata, state_dict_metadata
 
 
 def _round_trip(tmp_path: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def _views() -> dict[str, Any]:
         "conj": {"base": c, "view": c.conj()},
         "conj-first": {"view": c.conj(), "base": c},
         "conj-physical": {"base": c, "view": torch.conj_physical(c)},
-        "neg": {"base": x, "view": torch._neg_view(x)},
+        "neg": {"base": x, "view": neg_view(x)},
         "conj-imag": {"base": c.imag, "view": c.conj().imag},  # a negative view of c.imag
         "conj-real": {"base": c.real, "view": c.conj().real},  # no sign change: may share
         "conj-of-conj": {"base": c, "view": c.conj().conj()},
@@ -230,7 +231,7 @@ def test_depth_counts_tuples(tmp_path: Path) -> None:
 def _module_state_at(levels: int) -> list[Any]:
     """A module state dict whose ``_metadata`` entries sit ``levels`` containers deep."""
     state: OrderedDict[str, Any] = OrderedDict(w=torch.ones(1))
-    state._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
+    set_state_dict_metadata(state, OrderedDict({"": {"version": 1}}))
     tree: Any = state
     for _ in range(levels - 3):  # the state dict, its _metadata and the version dict
         tree = [tree]
@@ -241,7 +242,7 @@ def test_module_metadata_counts_towards_the_depth(tmp_path: Path) -> None:
     loaded = _round_trip(tmp_path, {"c": _module_state_at(tunables.MAX_TREE_DEPTH)})["c"]
     for _ in range(tunables.MAX_TREE_DEPTH - 3):
         loaded = loaded[0]
-    assert loaded._metadata == {"": {"version": 1}}
+    assert state_dict_metadata(loaded) == {"": {"version": 1}}
     _refused(
         tmp_path / "deeper", {"c": _module_state_at(tunables.MAX_TREE_DEPTH + 1)}, "deeper than"
     )

@@ -1,12 +1,18 @@
-"""Hold a save in flight: the background write waits at its first storage call until released."""
+"""Hold a save in flight (the background write waits at its first storage call until
+released), and run calls on a writer's event-loop thread."""
 
 from __future__ import annotations
 
+import inspect
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from checkpointd.storage import LocalStore
+from checkpointd.write.handle import SaveHandle
+from checkpointd.write.loop import WriteService
 
 
 def hold_local_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
@@ -22,3 +28,29 @@ def hold_local_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
     monkeypatch.setattr(LocalStore, "make_dir", make_dir)
     return gate
+
+
+class OnLoop:
+    """Runs calls on a writer's event-loop thread: each queued call runs when the next
+    save is handed to the write service (``WriteService.submit`` runs on that loop),
+    and its outcome (its result, awaited if it is awaitable, or the exception it
+    raised) is appended to ``outcomes``. For tests of what happens on that thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.queued: list[Callable[[], Any]] = []
+        self.outcomes: list[Any] = []
+        real = WriteService.submit
+
+        async def submit(service: WriteService, snapshot: Any, handle: SaveHandle) -> None:
+            while self.queued:
+                call = self.queued.pop(0)
+                try:
+                    outcome = call()
+                    if inspect.isawaitable(outcome):
+                        outcome = await outcome
+                except Exception as exc:
+                    outcome = exc
+                self.outcomes.append(outcome)
+            await real(service, snapshot, handle)
+
+        monkeypatch.setattr(WriteService, "submit", submit)

@@ -122,7 +122,7 @@ def start_gcp_storage_emulator() -> GCSEndpoint:
     server.start()
     # A client that hangs up mid-reply (gcsfs reading a range) makes its HTTP server
     # print a BrokenPipeError traceback to stderr: it is not an error of the test.
-    server._api._httpd.handle_error = lambda request, address: None
+    server._api._httpd.handle_error = lambda request, address: None  # noqa: SLF001 - the emulator has no public way to quiet its server
 
     def stop() -> None:
         server.stop()

@@ -64,7 +64,7 @@ def _watch_deletions(signal_path: str) -> None:
     def delete(self: CheckpointdIO, root: str) -> None:
         _stop(signal_path, root=root, torn=False)
 
-    CheckpointdIO._delete = delete  # type: ignore[method-assign]
+    CheckpointdIO._delete = delete  # type: ignore[method-assign]  # noqa: SLF001 - fault: stop at the plugin's deletion
 
 
 def main(argv: list[str]) -> None:

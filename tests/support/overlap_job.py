@@ -4,7 +4,7 @@
 
 The state: shard_job's MLP under FSDP2 (a 1-D mesh of every rank) with AdamW, and a
 DDP model (replicated: every rank holds the same values) with SGD and momentum,
-each trained two steps. The background copy is held (``staging._copy_in_background``
+each trained two steps. The background copy is held (``staging.copy_in_background``
 waits for a gate) so the save is provably still staging while training goes on.
 
 - ``train``: save step 1; while its copy is held, a forward and backward of both
@@ -74,7 +74,7 @@ def gathered(state: dict[str, Any]) -> dict[str, Any]:
 
 def hold_copies(gate: threading.Event, result: dict[str, Any], fail: bool) -> None:
     """Make the copier thread wait for ``gate`` (or raise, with ``fail``) first."""
-    original = staging._copy_in_background
+    original = staging.copy_in_background
     result["held_bytes"] = 0
 
     def held(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -85,7 +85,7 @@ def hold_copies(gate: threading.Event, result: dict[str, Any], fail: bool) -> No
             raise RuntimeError("the gate never opened")
         original(copies)
 
-    staging._copy_in_background = held  # type: ignore[assignment]
+    staging.copy_in_background = held  # type: ignore[assignment]
     result["restore_copier"] = original
 
 
@@ -139,7 +139,7 @@ def fail(root: str, rank: int, state: dict[str, Any], result: dict[str, Any]) ->
         result["published"] = [info.step for info in writer.list_checkpoints()]
         step(state)
         if rank == 1:
-            staging._copy_in_background = result["restore_copier"]
+            staging.copy_in_background = result["restore_copier"]
         result["retry"] = writer.save(2, state).result().step
     result["ok"] = True
 

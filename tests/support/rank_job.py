@@ -111,7 +111,7 @@ def main() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
     if (scenario, rank) in {("killed", 1), ("killed0", 0)}:
-        commit._stream_file = _die_while_writing  # type: ignore[assignment]
+        commit._stream_file = _die_while_writing  # type: ignore[assignment]  # noqa: SLF001 - fault: die while a file streams
     if (scenario, rank) == ("killed0_publishing", 0):
         # every rank's files are durable; rank 1 waits for the outcome
         rankcommit.publish_manifest = _die_while_writing  # type: ignore[assignment]
@@ -127,6 +127,7 @@ def main() -> None:
         return
     try:
         with checkpointd.CheckpointWriter(root) as writer:
+            assert writer.world_size == world, writer.world_size  # every rank saves together
             if scenario != "rank0_only" or rank == 0:
                 writer.save(step, state).result()
             result["ok"] = True

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -32,18 +31,18 @@ def expected_state(step: int) -> dict[str, torch.Tensor]:
 
 def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
     import checkpointd
-    from checkpointd.daemon import remote
+    from checkpointd.write.capture import StagingBuffer
 
     if hang_in_copy:
-        real = remote._SegmentBuffer._allocate
+        real = StagingBuffer.reserve
 
-        def allocate(self: Any, nbytes: int, pinned: bool) -> torch.Tensor:
-            real(self, nbytes, pinned)  # the service has handed out the segment
+        def reserve(self: StagingBuffer, nbytes: int, *, pinned: bool) -> torch.Tensor:
+            real(self, nbytes, pinned=pinned)  # the service has handed out the segment
             print("copying", flush=True)
             while True:
                 time.sleep(1)
 
-        remote._SegmentBuffer._allocate = allocate  # type: ignore[method-assign]
+        StagingBuffer.reserve = reserve  # type: ignore[method-assign]
     with checkpointd.CheckpointWriter(root, service=socket) as writer:
         for step in range(steps):
             writer.save(step, {"model": expected_state(step)})

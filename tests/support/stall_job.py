@@ -61,14 +61,14 @@ def _arm(scenario: str, rank: int) -> None:
 
         rankcommit.publish_manifest = stop_then_publish  # type: ignore[assignment]
     if scenario == "follower_stalled_before_writing" and rank == 1:
-        write_share = rankcommit._write_share
+        write_share = rankcommit._write_share  # noqa: SLF001 - fault: stop before the share is written
 
         async def stop_then_write(store: Any, plan: Any, *args: Any, **kw: Any) -> None:
             if plan.step == 2:
                 _stop_self()
             await write_share(store, plan, *args, **kw)
 
-        rankcommit._write_share = stop_then_write  # type: ignore[assignment]
+        rankcommit._write_share = stop_then_write  # type: ignore[assignment]  # noqa: SLF001 - fault: stop before the share is written
 
 
 def _save(

@@ -131,15 +131,22 @@ class _StopAfter:
     def __new__(cls, step: int) -> Any:
         from transformers import TrainerCallback
 
-        class StopAfter(TrainerCallback):  # type: ignore[misc]
-            def __init__(self) -> None:
-                self.trainer: Any = None
+        import checkpointd
 
+        handles: list[checkpointd.SaveHandle] = []  # every save the trainer makes
+        real_save = checkpointd.CheckpointWriter.save
+
+        def save(self: checkpointd.CheckpointWriter, *args: Any, **kwargs: Any) -> Any:
+            handles.append(real_save(self, *args, **kwargs))
+            return handles[-1]
+
+        checkpointd.CheckpointWriter.save = save
+
+        class StopAfter(TrainerCallback):  # type: ignore[misc]
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 if state.global_step == step:
-                    writer = self.trainer._checkpointd_writer
-                    if writer is not None:
-                        writer.wait()
+                    for handle in handles:
+                        handle.result()
                     print(f"READY {state.global_step}", flush=True)
                     time.sleep(600)
 
@@ -157,8 +164,6 @@ def fit(
     if kill_after is not None:
         callbacks.append(_StopAfter(kill_after))
     trained = trainer(output_dir, callbacks=callbacks, **options)
-    for callback in callbacks:
-        callback.trainer = trained
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trained.train(resume_from_checkpoint=resume)

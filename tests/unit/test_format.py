@@ -29,6 +29,7 @@ from checkpointd.format.header import (
     parse_safetensors_header,
     shape_fits,
 )
+from tests.support.torch_private import state_dict_metadata
 
 
 def _entries() -> list[TensorEntry]:
@@ -118,7 +119,7 @@ def test_tree_round_trips_every_node_type() -> None:
     assert out["npscalar"] == np.float16(1.5)
     assert out["npscalar"].dtype == np.float16
     assert out["module"] == OrderedDict(w=1)
-    assert out["module"]._metadata == {"": {"version": 2}}
+    assert state_dict_metadata(out["module"]) == {"": {"version": 2}}
     assert out["tensor"] is tensor
     assert isinstance(out["array"], np.ndarray)
     assert out["array"].tolist() == [0, 1, 2, 3]

@@ -1,6 +1,6 @@
 """Overlapped staging (``staging="overlapped"``): what is copied when, and what waits for it.
 
-The background copy is held at a gate (``staging._copy_in_background``), so each
+The background copy is held at a gate (``staging.copy_in_background``), so each
 test sees the window between ``save()`` returning and the copy ending for certain.
 """
 
@@ -23,6 +23,7 @@ from checkpointd.errors import (
     UnsupportedValueError,
 )
 from checkpointd.write import staging as staging_module
+from tests.support.torch_private import cuda_sleep, step_pre_hooks
 
 
 class Gate:
@@ -31,7 +32,7 @@ class Gate:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened = threading.Event()
         self.started = threading.Event()
-        real = staging_module._copy_in_background
+        real = staging_module.copy_in_background
 
         def held(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             self.started.set()
@@ -39,7 +40,7 @@ class Gate:
                 raise TimeoutError("the test never opened the gate")
             real(copies)
 
-        monkeypatch.setattr(staging_module, "_copy_in_background", held)
+        monkeypatch.setattr(staging_module, "copy_in_background", held)
 
     def open(self) -> None:
         self.opened.set()
@@ -123,13 +124,13 @@ def test_background_copies_are_bit_exact_for_every_float_dtype(
     expected = _copy({str(i): p.detach() for i, p in enumerate(params)})
     moments = _copy(optimizer.state_dict()["state"])
     copied: list[torch.dtype] = []
-    real = staging_module._copy_in_background
+    real = staging_module.copy_in_background
 
     def recording(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copied.extend(source.dtype for source, _ in copies)
         real(copies)
 
-    monkeypatch.setattr(staging_module, "_copy_in_background", recording)
+    monkeypatch.setattr(staging_module, "copy_in_background", recording)
     with checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped") as writer:
         writer.save(1, state).result(timeout=60)
     assert len(copied) == 7 + 6  # every parameter and momentum buffer, in the background
@@ -195,14 +196,14 @@ def test_an_unstorable_value_fails_save_at_once_and_the_writer_goes_on(tmp_path:
 def test_optimizers_nested_in_a_component_are_guarded() -> None:
     model, optimizer = _trained()
     stager = staging_module.Stager()
-    guarded = stager._guard({"model": model, "train": {"loop": [optimizer]}})
-    expected = {staging_module._key(p) for p in model.parameters()}
+    guarded = stager.guard({"model": model, "train": {"loop": [optimizer]}})
+    expected = {staging_module.tensor_key(p) for p in model.parameters()}
     assert expected <= guarded
-    assert len(optimizer._optimizer_step_pre_hooks) == 1
-    stager._guard({"train": {"loop": [optimizer]}})  # hooked once per writer
-    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    assert len(step_pre_hooks(optimizer)) == 1
+    stager.guard({"train": {"loop": [optimizer]}})  # hooked once per writer
+    assert len(step_pre_hooks(optimizer)) == 1
     stager.close()
-    assert optimizer._optimizer_step_pre_hooks == {}
+    assert step_pre_hooks(optimizer) == {}
 
 
 def test_optimizer_step_waits_for_staging(tmp_path: Path, gate: Gate) -> None:
@@ -229,7 +230,7 @@ def test_optimizer_step_waits_for_staging(tmp_path: Path, gate: Gate) -> None:
     loaded = checkpointd.load(str(tmp_path)).state
     _assert_same(loaded["model"], expected["model"])
     _assert_same(loaded["optimizer"]["state"], expected["optimizer"]["state"])
-    assert optimizer._optimizer_step_pre_hooks == {}, "close() removes the step pre-hooks"
+    assert step_pre_hooks(optimizer) == {}, "close() removes the step pre-hooks"
 
 
 def test_next_save_waits_for_the_previous_staging(tmp_path: Path, gate: Gate) -> None:
@@ -270,7 +271,7 @@ def test_a_failed_background_copy_fails_the_handle(
     def broken(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(staging_module, "_copy_in_background", broken)
+    monkeypatch.setattr(staging_module, "copy_in_background", broken)
     model, optimizer = _trained()
     state = {"model": model, "optimizer": optimizer}
     with checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped") as writer:
@@ -291,7 +292,7 @@ def test_an_unseen_staging_failure_is_raised_by_wait(
     def broken(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(staging_module, "_copy_in_background", broken)
+    monkeypatch.setattr(staging_module, "copy_in_background", broken)
     model, optimizer = _trained()
     writer = checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped")
     try:
@@ -316,7 +317,7 @@ def test_async_writer_overlapped(tmp_path: Path, backend: str, gate: Gate) -> No
             gate.open()
             await writer.wait_staged()
             assert (await handle.wait()).step == 1
-        assert optimizer._optimizer_step_pre_hooks == {}
+        assert step_pre_hooks(optimizer) == {}
 
     anyio.run(main, backend=backend)
     _assert_same(checkpointd.load(str(tmp_path)).state["model"], expected)
@@ -334,7 +335,7 @@ def test_cuda_overlapped_copies_see_kernels_queued_before_save(tmp_path: Path) -
     model(torch.randn(16, 256, device=device)).sum().backward()
     optimizer.step()
     with checkpointd.CheckpointWriter(str(tmp_path), staging="overlapped") as writer:
-        torch.cuda._sleep(50_000_000)  # the fills below run well after save() returns
+        cuda_sleep(50_000_000)  # the fills below run well after save() returns
         with torch.no_grad():
             model[0].weight.fill_(7.0)
             model[1].running_mean.fill_(3.0)

@@ -23,7 +23,7 @@ def test_each_protocol_opens_its_backend(tmp_path: object) -> None:
 def test_an_entry_point_is_loaded_only_when_its_protocol_is_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(checkpointd.storage, "_registry", dict(checkpointd.storage._registry))
+    monkeypatch.setattr(checkpointd.storage, "_registry", dict(checkpointd.storage._registry))  # noqa: SLF001 - isolates the registry the test fills
     asked: list[str] = []
 
     def entry_points(*, group: str, name: str) -> list[EntryPoint]:

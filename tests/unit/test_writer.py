@@ -19,7 +19,9 @@ from checkpointd import (
     UnsupportedValueError,
     WriterClosedError,
 )
+from checkpointd.write.capture import BufferPool
 from tests.support.files import component_file
+from tests.support.gates import OnLoop
 
 
 def _state(value: float = 1.0) -> dict[str, object]:
@@ -45,13 +47,14 @@ def test_save_returns_handle_that_resolves_to_info(tmp_path: Path) -> None:
 
 
 def test_max_pending_one_means_save_waits_for_the_previous_write(tmp_path: Path) -> None:
-    with CheckpointWriter(str(tmp_path), max_pending=1) as writer:
+    pool = BufferPool()
+    with CheckpointWriter(str(tmp_path), max_pending=1, buffer_pool=pool) as writer:
         writer.save(1, _state(1.0))
         writer.save(2, _state(2.0))
         # save(2) could only take the one staging buffer after step 1 was written.
         assert (tmp_path / "000000000001" / "manifest.json").exists()
-        assert len(writer._service._buffers) == 1
         writer.wait()
+    assert len(pool) == 1  # the writer's one buffer, given back at close
     assert [c.step for c in checkpointd.list_checkpoints(str(tmp_path))] == [1, 2]
     assert checkpointd.load(str(tmp_path), 2).state["model"]["w"][0, 0].item() == 2.0
 
@@ -87,8 +90,7 @@ def test_unseen_failure_is_raised_by_wait(tmp_path: Path) -> None:
 def test_unseen_failure_is_raised_by_the_next_save(tmp_path: Path) -> None:
     with _broken_writer(tmp_path) as writer:
         first = writer.save(1, _state())
-        while not first.done():
-            first._done.wait(0.05)
+        assert isinstance(first.exception(timeout=60), StorageError)  # still unseen
         with pytest.raises(StorageError):
             writer.save(2, _state())
         writer.wait()
@@ -301,13 +303,19 @@ def _thread_niceness() -> dict[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
-def test_background_niceness_lowers_only_the_writers_threads(tmp_path: Path) -> None:
+def test_background_niceness_lowers_only_the_writers_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import anyio.to_thread
 
+    on_loop = OnLoop(monkeypatch)
+    on_loop.queued += [
+        threading.get_native_id,
+        lambda: anyio.to_thread.run_sync(threading.get_native_id),
+    ]
     with CheckpointWriter(str(tmp_path), background_niceness=7) as writer:
         writer.save(1, _state()).result(timeout=30)
-        loop_thread = writer._loop.call(threading.get_native_id)
-        worker_thread = writer._loop.call(anyio.to_thread.run_sync, threading.get_native_id)
+        loop_thread, worker_thread = on_loop.outcomes
         niceness = _thread_niceness()
     assert niceness[loop_thread] == 7
     assert niceness[worker_thread] == 7  # spawned by the loop thread, so it inherits

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,9 @@ import torch
 
 import checkpointd
 from checkpointd import CheckpointWriter, SaveHandle
-from tests.support.gates import hold_local_writes
+from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.loop import WriteService
+from tests.support.gates import OnLoop, hold_local_writes
 
 
 def _state(value: float = 1.0) -> dict[str, object]:
@@ -110,21 +111,28 @@ def test_writer_dropped_by_a_returning_function_commits_before_exit(tmp_path: Pa
 # --- Ctrl-C while save() waits for a staging buffer ------------------------------------
 
 
-def _interrupt_main_once_save_waits(writer: CheckpointWriter) -> threading.Thread:
-    """From a helper thread: SIGINT the main thread once a save() is waiting for a buffer."""
+def _interrupt_main_once_save_waits(monkeypatch: pytest.MonkeyPatch) -> threading.Thread:
+    """From a helper thread: SIGINT the main thread once the second save() waits for a
+    buffer (the writer has one, held by the first save)."""
     main = threading.main_thread().ident
     assert main is not None
+    asked = threading.Event()
+    real = WriteService.acquire_buffer
+    calls = 0
 
-    def waiting() -> int:
-        # Read from this thread: a racy but harmless peek at the loop's free-buffer stream.
-        free = writer._service._free
-        assert free is not None
-        return free[1].statistics().tasks_waiting_receive
+    async def acquire_buffer(service: WriteService) -> StagingBuffer:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            # The interrupt reaches the loop once it waits below (the helper needs the GIL
+            # the loop holds until it blocks); either way the writer must stay usable.
+            asked.set()
+        return await real(service)
+
+    monkeypatch.setattr(WriteService, "acquire_buffer", acquire_buffer)
 
     def run() -> None:
-        deadline = time.monotonic() + 60
-        while waiting() == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # polls the loop's state: there is no event to wait on
+        asked.wait(60)
         signal.pthread_kill(main, signal.SIGINT)
 
     helper = threading.Thread(target=run)
@@ -140,8 +148,8 @@ def test_ctrl_c_while_save_waits_for_a_buffer_leaves_the_writer_usable(
 ) -> None:
     gate = hold_local_writes(monkeypatch)
     writer = CheckpointWriter(str(tmp_path), max_pending=1)
+    helper = _interrupt_main_once_save_waits(monkeypatch)
     first = writer.save(1, _state(1.0))  # holds the only buffer until the gate opens
-    helper = _interrupt_main_once_save_waits(writer)
     with pytest.raises(KeyboardInterrupt):
         writer.save(2, _state(2.0))
     helper.join()
@@ -167,13 +175,19 @@ def test_result_on_the_sync_writers_loop_thread_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = hold_local_writes(monkeypatch)
-    with CheckpointWriter(str(tmp_path)) as writer:
+    on_loop = OnLoop(monkeypatch)
+    with CheckpointWriter(str(tmp_path), max_pending=2) as writer:
         handle = writer.save(1, _state())
-        with pytest.raises(checkpointd.WrongThreadError, match="event loop thread"):
-            writer._loop.call(handle.result, 5)
+        on_loop.queued.append(lambda: handle.result(5))
+        writer.save(2, _state())  # runs it on the loop thread while step 1 is pending
+        (refused,) = on_loop.outcomes
+        assert isinstance(refused, checkpointd.WrongThreadError)
+        assert "event loop thread" in str(refused)
         gate.set()
         assert handle.result(timeout=60).step == 1
-        assert writer._loop.call(handle.result).step == 1  # resolved: fine on any thread
+        on_loop.queued.append(handle.result)
+        writer.save(3, _state())
+        assert on_loop.outcomes[1].step == 1  # resolved: fine on any thread
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

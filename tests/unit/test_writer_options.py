@@ -48,6 +48,7 @@ from checkpointd.write.writer_base import WriterBase
             "storage_options must be a mapping with str keys or None",
         ),
         ({"service": 3}, 'service must be None, "auto" or a socket path, not 3'),
+        ({"buffer_pool": []}, "buffer_pool must be a BufferPool or None, not list"),
         ({"keep_last": 0}, "keep_last must be a positive int or None, not 0"),
         ({"keep_best": 2}, "keep_best needs best_metric"),
         ({"best_mode": "median"}, "best_mode must be 'min' or 'max', not 'median'"),

@@ -54,6 +54,10 @@ def open_remote(
             ("incremental=True", options.incremental),
             ('staging="overlapped"', options.staging != "blocking"),
             ("AsyncCheckpointWriter", in_callers_loop),
+            (
+                "buffer_pool (the service's shared memory is its buffers)",
+                options.buffer_pool is not None,
+            ),
         )
         if used
     ]
@@ -269,7 +273,6 @@ class RemoteService:
         from now on, whatever happens to this process)."""
         buffer = snapshot.buffer
         assert isinstance(buffer, _SegmentBuffer)
-        handle._failures = self.failures
         try:
             desc = describe(snapshot)
             segment = buffer.segment
@@ -299,7 +302,7 @@ class RemoteService:
             return
         if error is not None:
             self.failures.add(error)
-        handle._resolve(info, error)
+        handle.resolve(info, error)
         self._slots.release()
 
     def _event(self, message: p.Message) -> None:

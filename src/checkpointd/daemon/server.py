@@ -357,7 +357,9 @@ class Server:
         snapshot = rebuild(message.snapshot, arena[: segment.size])
         del conn.owned[message.segment]  # the save owns it now
         save = next(self._ids)
-        handle = SaveHandle(snapshot.step, time.perf_counter(), anyio.Event())
+        handle = SaveHandle(
+            snapshot.step, time.perf_counter(), anyio.Event(), failures=writer.service.failures
+        )
         writer.pending += 1
         self.in_flight += 1
         try:

@@ -257,7 +257,8 @@ def _state_dict(payload: Any, where: str) -> OrderedDict[Any, Any]:
             raise CorruptCheckpointError(f"{where}: malformed module state dict")
         parts.append(OrderedDict(pairs))
     state, metadata = parts
-    state._metadata = metadata  # type: ignore[attr-defined]
+    # torch keeps a state dict's per-module versions in this attribute (load_state_dict reads it)
+    state._metadata = metadata  # type: ignore[attr-defined]  # noqa: SLF001 - torch's convention
     return state
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from checkpointd.errors import RestoreMismatchError
+from checkpointd.integrations.accelerate_prepared import prepared
 from checkpointd.read.restore import RestoreInfo, restore
 from checkpointd.state.rng import RNGState
 from checkpointd.write.handle import SaveHandle
@@ -115,15 +116,16 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
     """The components ``save_state`` saves and ``load_state`` restores, by name, as live
     objects (models unwrapped, optimizers and schedulers the wrapped torch ones)."""
     state: dict[str, Any] = {}
-    for i, model in enumerate(accelerator._models):
+    objects = prepared(accelerator)
+    for i, model in enumerate(objects.models):
         state[f"model_{i}"] = accelerator.unwrap_model(model)
-    for i, optimizer in enumerate(accelerator._optimizers):
+    for i, optimizer in enumerate(objects.optimizers):
         state[f"optimizer_{i}"] = getattr(optimizer, "optimizer", optimizer)
-    for i, scheduler in enumerate(accelerator._schedulers):
+    for i, scheduler in enumerate(objects.schedulers):
         state[f"scheduler_{i}"] = getattr(scheduler, "scheduler", scheduler)
-    for i, dataloader in enumerate(accelerator._dataloaders):
+    for i, dataloader in enumerate(objects.dataloaders):
         state[f"dataloader_{i}"] = _SamplerPosition(dataloader)
-    for i, obj in enumerate(accelerator._custom_objects):
+    for i, obj in enumerate(objects.custom_objects):
         state[f"custom_{i}"] = obj
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler

@@ -62,9 +62,8 @@ from checkpointd.maintain.removal import (
 )
 from checkpointd.read.restore import load
 from checkpointd.state.rng import RNGState
-from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.capture import BufferPool
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.loop import WriteService
 from checkpointd.write.options import WriterKeywords, WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
@@ -106,37 +105,6 @@ else:
     _Base = _found[0] if len(_found) == 1 else type("_CheckpointIOBases", _found, {})
 
 
-class _PooledWriter(CheckpointWriter):
-    """A CheckpointWriter whose staging buffers come from, and go back to, a shared pool.
-
-    Each top-k path is a root of its own, so Lightning's saves go to a new writer
-    almost every time; a fresh buffer would cost a first touch of every page of
-    the snapshot on the training thread. The pool hands a closed writer's warm
-    buffers to the next one (a writer holds them only while it is open)."""
-
-    def __init__(self, root: str, pool: list[StagingBuffer], **options: Any) -> None:
-        self._pool = pool
-        super().__init__(root, **options)
-
-    def _start(self) -> None:
-        """Swap the service's new buffers for pooled ones before its loop starts."""
-        assert isinstance(self._service, WriteService)  # never through the checkpoint service
-        buffers = self._service._buffers
-        for i in range(len(buffers)):
-            if self._pool:
-                buffers[i] = self._pool.pop()
-        super()._start()
-
-    def close(self) -> None:
-        """Close, then give the (now idle) buffers back to the pool."""
-        try:
-            super().close()
-        finally:
-            assert isinstance(self._service, WriteService)
-            self._pool.extend(self._service._buffers)
-            self._service._buffers = []
-
-
 class CheckpointdIO(_Base):
     """Saves Lightning checkpoints in the background with checkpointd, durably.
 
@@ -166,14 +134,22 @@ class CheckpointdIO(_Base):
                 f"CheckpointdIO takes no {', '.join(refused)}: ModelCheckpoint's save_top_k and "
                 "save_last decide which checkpoints are kept"
             )
+        if "buffer_pool" in writer_options:
+            raise InvalidArgumentError(
+                "CheckpointdIO takes no buffer_pool: its writers share one pool of their own"
+            )
         super().__init__()
         self.restore_rng = restore_rng
-        self.options = WriterOptions(**writer_options).replace(keep_last=1)
-        """The options of every writer (checked here: InvalidArgumentError); keep_last=1,
-        since each top-k path is a root of its own."""
+        # Each top-k path is a root of its own, so saves go to a new writer almost every
+        # time: the pool hands a closed writer's warm staging buffers to the next one
+        # (fresh ones would cost a first touch of every page on the training thread).
+        self.options = WriterOptions(**writer_options).replace(
+            keep_last=1, buffer_pool=BufferPool()
+        )
+        """The options of every writer (checked here: InvalidArgumentError): keep_last=1
+        and one shared buffer_pool, since each top-k path is a root of its own."""
         self._storage_options = self.options.storage_options
         self._writers: dict[str, CheckpointWriter] = {}
-        self._buffers: list[StagingBuffer] = []
         # Deleting a removed root (and closing its writer) runs off the training thread.
         self._deleter: ThreadPoolExecutor | None = None
         self._deleting: dict[str, Future[None]] = {}
@@ -290,8 +266,8 @@ class CheckpointdIO(_Base):
     def _writer(self, root: str) -> CheckpointWriter:
         writer = self._writers.pop(root, None)  # re-inserted: the dict is in order of use
         if writer is None:
-            writer = _PooledWriter(root, self._buffers, **self.options.keywords())
-            newest = writer._service.newest
+            writer = CheckpointWriter(root, **self.options.keywords())
+            newest = writer.newest_step
             if newest is not None:
                 self._last_step[root] = max(newest, self._last_step.get(root, newest))
         self._writers[root] = writer
@@ -315,7 +291,7 @@ class CheckpointdIO(_Base):
         ready = [(root, hs) for root, hs in self._removals if all(h.done() for h in hs)]
         self._removals = [item for item in self._removals if item not in ready]
         for root, handles in ready:
-            failed = [h.step for h in handles if h._error is not None]
+            failed = [h.step for h in handles if h.exception() is not None]
             self._deleted(root)
             if failed:
                 warnings.warn(

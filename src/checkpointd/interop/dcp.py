@@ -95,15 +95,15 @@ def _numpy_globals() -> list[Any]:
     an object array's items still go through the restricted unpickler."""
     import numpy as np
 
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # NumPy 1.x
-        from numpy.core import multiarray  # type: ignore[no-redef]
+    # The rebuilders are what pickling an array and a scalar name (numpy keeps the
+    # array's private): ask the objects rather than numpy's internal module.
+    reconstruct = np.empty(0).__reduce__()[0]
+    scalar = np.float32(0).__reduce__()[0]
     found: list[Any] = [np.ndarray, np.dtype]
     found += [getattr(np.dtypes, n) for n in getattr(np.dtypes, "__all__", ())]
     for home in ("numpy._core.multiarray", "numpy.core.multiarray"):  # NumPy 2 and 1 names
-        found += [(multiarray._reconstruct, f"{home}._reconstruct")]
-        found += [(multiarray.scalar, f"{home}.scalar")]
+        found += [(reconstruct, f"{home}._reconstruct")]
+        found += [(scalar, f"{home}.scalar")]
     return found
 
 

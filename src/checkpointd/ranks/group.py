@@ -245,7 +245,8 @@ def _group_info(process_group: Any) -> tuple[Any, int, tuple[int, ...]] | None:
         )
     else:
         ranks = tuple(dist.get_process_group_ranks(process_group))
-    store = distributed_c10d._get_default_store()
+    # torch has no public accessor for the job's store; every rank of the job has it
+    store = distributed_c10d._get_default_store()  # noqa: SLF001 - torch's, no public accessor
     return store, dist.get_rank(process_group), ranks
 
 

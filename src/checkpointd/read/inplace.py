@@ -63,6 +63,16 @@ _ALIGN = 64
 """Alignment of each tensor copied out into fresh memory during the check pass."""
 
 
+_MODULE_HOOKS = (
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+)
+"""The dicts in which torch keeps a module's state-dict hooks (private: torch has no public
+way to ask whether one is registered), read by name as the optimizer's below."""
+
+
 def _from_torch(method: Any) -> bool:
     return str(getattr(method, "__module__", "")).startswith("torch.")
 
@@ -73,10 +83,7 @@ def _plain_module(module: torch.nn.Module) -> bool:
     for sub in module.modules():
         kind = type(sub)
         if (
-            sub._load_state_dict_pre_hooks
-            or sub._load_state_dict_post_hooks
-            or sub._state_dict_hooks
-            or sub._state_dict_pre_hooks
+            any(getattr(sub, hooks) for hooks in _MODULE_HOOKS)
             or kind.get_extra_state is not torch.nn.Module.get_extra_state
             or not all(
                 _from_torch(getattr(kind, attr))

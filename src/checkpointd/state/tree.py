@@ -114,7 +114,8 @@ def map_tree(
             except TypeError:  # a dict subclass with another constructor (defaultdict)
                 result = dict(items)
             if hasattr(value, "_metadata"):
-                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+                # torch keeps a state dict's per-module versions here, with no public accessor
+                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]  # noqa: SLF001
             return result
         if isinstance(value, list):
             return [visit(v) for v in value]

@@ -27,6 +27,7 @@ from typing import Any
 import adlfs
 import aiohttp
 import azure.core.exceptions as azure_errors
+import fsspec.core
 
 from checkpointd.errors import (
     StorageError,
@@ -59,7 +60,7 @@ class AzureStore(ConditionalCreateStore):
             raise StorageError(errno.EINVAL, f"{url}: not an az:// or abfs:// URL")
         with self._translating("open", url):
             self.fs: Any = adlfs.AzureBlobFileSystem(**dict(storage_options or {}))
-            self.root: str = str(adlfs.AzureBlobFileSystem._strip_protocol(url)).strip("/")
+            self.root: str = str(fsspec.core.strip_protocol(url)).strip("/")  # adlfs's rule
         self._start_probing()
         with self._translating("open", url):
             self._check_container()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import fsspec
@@ -26,7 +26,10 @@ from checkpointd.errors import StorageError, StorageNotFoundError
 from checkpointd.format.checksum import BytesLike
 from checkpointd.storage.base import Capabilities, FileSink, Store, check_relpath
 
-__all__ = ["FsspecStore", "timestamp"]
+__all__ = ["FsspecStore", "TranslatingSink", "timestamp"]
+
+Translate = Callable[[str, str], contextlib.AbstractContextManager[None]]
+"""``(action, path)`` -> a context in which backend errors leave as StorageError."""
 
 
 class FsspecStore(Store):
@@ -67,7 +70,7 @@ class FsspecStore(Store):
         target = self._abs(path)
         with self._translating("create", target):
             handle = self.fs.open(target, "wb", autocommit=False, block_size=self.block_size)
-        return TranslatingSink(self, _FsspecSink(self, target, handle), target)
+        return TranslatingSink(self._translating, _FsspecSink(self, target, handle), target)
 
     def sync_dir(self, path: str) -> None:
         """Object stores make each completed write durable on its own."""
@@ -129,19 +132,20 @@ class FsspecStore(Store):
 
 
 class TranslatingSink:
-    """A FileSink whose backend errors leave as StorageError (the store's translation)."""
+    """A FileSink whose backend errors leave as StorageError: ``translate(action, path)`` is
+    the store's translation (a context manager)."""
 
-    def __init__(self, store: Store, sink: FileSink, target: str) -> None:
-        self._store = store
+    def __init__(self, translate: Translate, sink: FileSink, target: str) -> None:
+        self._translate = translate
         self._sink = sink
         self._target = target
 
     def write(self, data: BytesLike) -> None:
-        with self._store._translating("upload", self._target):
+        with self._translate("upload", self._target):
             self._sink.write(data)
 
     def commit(self) -> None:
-        with self._store._translating("upload", self._target):
+        with self._translate("upload", self._target):
             self._sink.commit()
 
     def discard(self) -> None:

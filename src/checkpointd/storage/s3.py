@@ -98,7 +98,7 @@ class S3Store(ConditionalCreateStore):
         sink = ParallelUploadSink(
             self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
         )
-        return TranslatingSink(self, sink, target)
+        return TranslatingSink(self._translating, sink, target)
 
     def pending_uploads(self) -> list[PendingUpload]:
         """Incomplete multipart uploads whose key lies under the root."""

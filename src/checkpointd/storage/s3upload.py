@@ -65,7 +65,9 @@ class ParallelUploadSink:
 
     def _call(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
         """Run one S3 call on s3fs's event loop; s3fs retries transient errors itself."""
-        coroutine = self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        # s3fs's private call: its retries and credential refresh, which the client lacks
+        call = self._fs._call_s3  # noqa: SLF001 - s3fs has no public per-call API
+        coroutine = call(method, Bucket=self._bucket, Key=self._key, **kwargs)
         return asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)
 
     def write(self, data: BytesLike) -> None:

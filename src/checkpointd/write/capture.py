@@ -12,7 +12,8 @@ the copies instead, some of them after ``capture`` returns.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from checkpointd.state.storable import CapturedShard, Source, Walker
 
 __all__ = [
     "Allocate",
+    "BufferPool",
     "CapturedComponent",
     "CapturedShard",
     "Copier",
@@ -94,6 +96,38 @@ class StagingBuffer:
     def capacity(self) -> int:
         """Bytes currently allocated."""
         return 0 if self._arena is None else self._arena.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """True if the arena is in pinned (page-locked) host memory."""
+        return self._arena is not None and self._arena.is_pinned()
+
+
+class BufferPool:
+    """Idle staging buffers that writers share (the Lightning plugin's writers, one per
+    root): a writer made with ``buffer_pool=`` takes its ``max_pending`` buffers from
+    it and gives them back once its service has stopped, so the next writer reuses
+    their warm pages instead of touching fresh ones on the training thread.
+    Thread-safe (a dropped writer gives back from its finalizer)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[StagingBuffer] = []
+
+    def take(self) -> StagingBuffer:
+        """An idle buffer (the most recently given back), or a new empty one."""
+        with self._lock:
+            return self._idle.pop() if self._idle else StagingBuffer()
+
+    def give_back(self, buffers: Iterable[StagingBuffer]) -> None:
+        """Return buffers no save uses any more."""
+        with self._lock:
+            self._idle.extend(buffers)
+
+    def __len__(self) -> int:
+        """How many buffers are idle."""
+        with self._lock:
+            return len(self._idle)
 
 
 def _refuse_reserve(nbytes: int, pinned: bool) -> torch.Tensor:

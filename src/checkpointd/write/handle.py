@@ -35,7 +35,13 @@ class SaveHandle:
         event: anyio.Event | None = None,
         *,
         loop_thread: int | None = None,
+        staging: Staging | None = None,
+        failures: Failures | None = None,
     ) -> None:
+        """Made by a writer (or the checkpoint service) for each save: ``event`` is set on
+        the loop thread ``loop_thread`` when the save resolves; ``staging`` is an
+        overlapped save's copy still running; ``failures`` is the writer's record of
+        errors not yet seen (``result()`` marks the one it raises as seen)."""
         self.step = step
         self.blocked_seconds = 0.0
         """Seconds ``save()`` held the caller (waiting for a buffer plus capture)."""
@@ -48,8 +54,8 @@ class SaveHandle:
         self._done = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
-        self._failures: Failures | None = None
-        self._staging: Staging | None = None  # overlapped staging only
+        self._failures = failures
+        self._staging = staging  # overlapped staging only
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
@@ -62,6 +68,12 @@ class SaveHandle:
         may still run when ``save()`` returns. A failed copy counts as staged (it has
         ended; ``result()`` raises its error). Any thread."""
         return self._staging is None or self._staging.done()
+
+    @property
+    def staging(self) -> Staging | None:
+        """The background copy of an overlapped save (None with blocking staging); the
+        writer awaits it before it writes the snapshot."""
+        return self._staging
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until ``staged()``; raise CheckpointTimeoutError if ``timeout`` runs out.
@@ -82,17 +94,18 @@ class SaveHandle:
         WrongThreadError if called, while pending, on the event-loop thread that
         resolves it (it would wait forever: use ``await handle.wait()`` there).
         """
-        if not self._done.is_set():
-            self._check_waitable()
-            if threading.get_ident() == self._loop_thread:
-                raise WrongThreadError(
-                    f"handle.result() for step {self.step} was called on the writer's event "
-                    "loop thread, which resolves it: it would wait forever; "
-                    "use 'await handle.wait()' in async code"
-                )
-        if not self._done.wait(timeout):
-            raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout}s")
+        self._block("result", timeout)
         return self._outcome()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the save resolves; return its error, or None once committed.
+
+        Unlike ``result()`` it raises neither the error nor marks it seen: the writer's
+        ``wait()``, next ``save()`` or ``close()`` still raise it. Raises as ``result()``
+        does while waiting (CheckpointTimeoutError, WrongThreadError, WriterClosedError).
+        """
+        self._block("exception", timeout)
+        return self._error
 
     async def wait(self) -> CheckpointInfo:
         """Await the save's resolution; return its CheckpointInfo or raise its error."""
@@ -103,6 +116,19 @@ class SaveHandle:
             else:
                 await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
         return self._outcome()
+
+    def _block(self, method: str, timeout: float | None) -> None:
+        """Wait for the resolution on a thread that may block (``result``, ``exception``)."""
+        if not self._done.is_set():
+            self._check_waitable()
+            if threading.get_ident() == self._loop_thread:
+                raise WrongThreadError(
+                    f"handle.{method}() for step {self.step} was called on the writer's event "
+                    "loop thread, which resolves it: it would wait forever; "
+                    "use 'await handle.wait()' in async code"
+                )
+        if not self._done.wait(timeout):
+            raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout}s")
 
     def _check_waitable(self) -> None:
         if lifecycle.inherited(self._generation):
@@ -119,8 +145,9 @@ class SaveHandle:
         assert self._info is not None
         return self._info
 
-    def _resolve(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
-        """Called once, on the writer's event loop."""
+    def resolve(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
+        """The writer's side: the save committed as ``info`` or failed with ``error``.
+        Called once, by the writer's event loop (or the checkpoint service's reader)."""
         self._info, self._error = info, error
         self.durable_seconds = time.perf_counter() - self._started
         self._done.set()

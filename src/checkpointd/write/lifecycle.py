@@ -139,13 +139,16 @@ class LoopThread:
                     produced.append(value)
             return value
 
-        future = self.portal.start_task_soon(guarded)
+        future: Future[T] | None = None
         try:
+            # Inside the try: the loop may start ``fn`` before start_task_soon returns.
+            future = self.portal.start_task_soon(guarded)
             return future.result()
         except BaseException:
             with lock:
                 abandoned = True
-            future.cancel()  # stops the wait on the loop, if it is still waiting
+            if future is not None:
+                future.cancel()  # stops the wait on the loop, if it is still waiting
             if produced:
                 self.portal.start_task_soon(undo, produced[0])
             raise

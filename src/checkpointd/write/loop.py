@@ -32,7 +32,7 @@ from checkpointd.maintain.retention import (
 from checkpointd.read import catalog
 from checkpointd.storage import Store
 from checkpointd.write import lifecycle
-from checkpointd.write.capture import StagingBuffer
+from checkpointd.write.capture import BufferPool, StagingBuffer
 from checkpointd.write.commit import commit_plan
 from checkpointd.write.handle import Failures, SaveHandle, first_leaf
 from checkpointd.write.plan import Snapshot, plan_snapshot
@@ -89,6 +89,7 @@ class WriteService:
         group: Group | None = None,
         incremental: bool = False,
         chunk_bytes: int,
+        pool: BufferPool | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
@@ -111,7 +112,10 @@ class WriteService:
         self.loop_thread: int | None = None
         self.failures = Failures()
         self._generation = lifecycle.generation()
-        self._buffers = [StagingBuffer() for _ in range(max_pending)]
+        self._pool = pool  # where the buffers come from and go back to (None: their own)
+        self._buffers = [
+            StagingBuffer() if pool is None else pool.take() for _ in range(max_pending)
+        ]
         self._free: (
             tuple[MemoryObjectSendStream[StagingBuffer], MemoryObjectReceiveStream[StagingBuffer]]
             | None
@@ -147,22 +151,22 @@ class WriteService:
         if lifecycle.inherited(self._generation):
             # A fork child running a copy of the caller's loop: the save is the parent's.
             self.release_buffer(snapshot.buffer)
-            handle._resolve(None, WriterClosedError("the writer was inherited through fork()"))
+            handle.resolve(None, WriterClosedError("the writer was inherited through fork()"))
             return
         try:
             try:
-                if handle._staging is not None:  # overlapped: the copy may still run
-                    await self._staged(handle._staging, snapshot)
+                if handle.staging is not None:  # overlapped: the copy may still run
+                    await self._staged(handle.staging, snapshot)
                 info = await self._commit(snapshot, limiter)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
         except Exception as exc:
             error = first_leaf(exc)
             self.failures.add(error)
-            handle._resolve(None, error)
+            handle.resolve(None, error)
             return
         except BaseException:
-            handle._resolve(None, WriterClosedError("the writer stopped during this save"))
+            handle.resolve(None, WriterClosedError("the writer stopped during this save"))
             raise
         try:
             if self.group is not None and not self.group.publishes:
@@ -188,7 +192,7 @@ class WriteService:
             # The checkpoint is committed; the failure is reported on its own.
             self.failures.add(first_leaf(exc))
         finally:
-            handle._resolve(info, None)
+            handle.resolve(info, None)
 
     async def _staged(self, staging: Staging, snapshot: Snapshot) -> None:
         """Wait for a save's background copy; if it failed, abandon this attempt for every
@@ -240,9 +244,9 @@ class WriteService:
         self._free[0].send_nowait(buffer)
 
     async def submit(self, snapshot: Snapshot, handle: SaveHandle) -> None:
-        """Queue a captured snapshot; never blocks (the queue holds max_pending)."""
+        """Queue a captured snapshot (its handle made with ``failures=self.failures``); never
+        blocks (the queue holds max_pending)."""
         assert self._queue is not None
-        handle._failures = self.failures
         await self._queue[0].send((snapshot, handle))
 
     async def stop(self) -> None:
@@ -251,7 +255,11 @@ class WriteService:
             await self._queue[0].aclose()
 
     def close_store(self) -> None:
-        """Release the store's resources (and stop the heartbeat) once the service has stopped."""
+        """Release the store's resources (and stop the heartbeat) once the service has stopped;
+        the staging buffers go back to the pool they came from."""
+        if self._pool is not None:
+            self._pool.give_back(self._buffers)
+            self._buffers = []
         if self.group is not None:
             self.group.close()
         if self.incremental is not None:

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypedDict, cast
 from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError
 from checkpointd.maintain.retention import RetentionPolicy
+from checkpointd.write.capture import BufferPool
 from checkpointd.write.loop import NewerSteps
 from checkpointd.write.staging import STAGING_MODES, StagingMode
 
@@ -49,6 +50,7 @@ class WriterKeywords(TypedDict, total=False):
     incremental: bool
     staging: StagingMode
     service: str | os.PathLike[str] | None
+    buffer_pool: BufferPool | None
     chunk_bytes: int
     join_seconds: float
 
@@ -106,6 +108,10 @@ class WriterOptions:
     if this process dies. Not yet with many ranks, ``incremental=True``, overlapped
     staging or AsyncCheckpointWriter (InvalidArgumentError).
 
+    ``buffer_pool``: a BufferPool that several writers share, one after another: the
+    writer takes its staging buffers from it and gives them back once closed (the
+    Lightning plugin's writers, one per root). Not with ``service=``.
+
     ``chunk_bytes`` (default ``tunables.CHUNK_BYTES``): bytes handed to storage per
     write while a file or blob streams (in this process; the service uses its own).
 
@@ -127,6 +133,7 @@ class WriterOptions:
     incremental: bool = False
     staging: StagingMode = "blocking"
     service: str | os.PathLike[str] | None = None
+    buffer_pool: BufferPool | None = None
     chunk_bytes: int = field(default_factory=lambda: tunables.CHUNK_BYTES)
     join_seconds: float = field(default_factory=lambda: tunables.JOIN_SECONDS)
     policy: RetentionPolicy = field(init=False, compare=False, repr=False)
@@ -171,6 +178,10 @@ class WriterOptions:
                     f'service must be None, "auto" or a socket path, not {self.service!r}'
                 )
             object.__setattr__(self, "service", os.fspath(self.service))
+        if self.buffer_pool is not None and not isinstance(self.buffer_pool, BufferPool):
+            raise InvalidArgumentError(
+                f"buffer_pool must be a BufferPool or None, not {type(self.buffer_pool).__qualname__}"
+            )
         object.__setattr__(self, "policy", self._policy())
 
     def _policy(self) -> RetentionPolicy:

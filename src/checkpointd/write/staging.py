@@ -39,7 +39,7 @@ from checkpointd.errors import StagingError
 from checkpointd.write import lifecycle
 from checkpointd.write.capture import Copier, Copy
 
-__all__ = ["STAGING_MODES", "Stager", "Staging", "StagingMode"]
+__all__ = ["STAGING_MODES", "Stager", "Staging", "StagingMode", "copy_in_background", "tensor_key"]
 
 StagingMode = Literal["blocking", "overlapped"]
 STAGING_MODES: tuple[StagingMode, ...] = ("blocking", "overlapped")
@@ -75,7 +75,8 @@ class Staging:
         if self.error is not None:
             raise self.error
 
-    def _finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None) -> None:
+        """End the copy (``error``: it failed); once, by whoever ran it."""
         if error is not None:
             self.error = StagingError(f"copying the state into host memory failed: {error}")
             self.error.__cause__ = error
@@ -111,7 +112,7 @@ class Stager:
         """Wait for the previous save's staging, guard the optimizers in ``state``,
         and return this save's Staging and the copier ``capture`` calls."""
         self.wait()
-        guarded = self._guard(state)
+        guarded = self.guard(state)
         staging = Staging()
 
         def copier(copies: list[Copy], uses_cuda: bool) -> None:
@@ -125,7 +126,7 @@ class Stager:
             handle.remove()
         self._hooks.clear()
 
-    def _guard(self, state: Mapping[str, Any]) -> set[_Key]:
+    def guard(self, state: Mapping[str, Any]) -> set[_Key]:
         """Hook every optimizer in ``state`` (once per writer); return the storages of
         their parameters and state tensors."""
         guarded: set[_Key | None] = set()
@@ -134,10 +135,10 @@ class Stager:
                 hook = functools.partial(_wait_before_step, weakref.ref(self))
                 self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
             for group in optimizer.param_groups:
-                guarded.update(_key(p) for p in group["params"])
+                guarded.update(tensor_key(p) for p in group["params"])
             for per_param in optimizer.state.values():
                 if isinstance(per_param, Mapping):
-                    guarded.update(_key(v) for v in per_param.values() if _is_tensor(v))
+                    guarded.update(tensor_key(v) for v in per_param.values() if _is_tensor(v))
         return {key for key in guarded if key is not None}
 
     def _start(
@@ -149,11 +150,11 @@ class Stager:
         later: list[Copy] = []
         now: list[Copy] = []
         for copy in copies:
-            (later if _key(copy[0]) in guarded else now).append(copy)
+            (later if tensor_key(copy[0]) in guarded else now).append(copy)
         try:
             events = self._issue_cuda([c for c in later if c[0].device.type == "cuda"])
         except BaseException as exc:
-            staging._finish(exc)
+            staging.finish(exc)
             raise
         on_cpu = [c for c in later if c[0].device.type != "cuda"]
         thread = threading.Thread(
@@ -201,7 +202,7 @@ class Stager:
         return events
 
 
-def _copy_in_background(copies: list[Copy]) -> None:
+def copy_in_background(copies: list[Copy]) -> None:
     """Copy CPU sources into the arena (copier thread; tests replace it to hold or fail).
 
     Plain memory goes through NumPy: one thread, the GIL released. ``Tensor.copy_``
@@ -225,7 +226,7 @@ def _finish_copies(staging: Staging, copies: list[Copy], events: list[torch.cuda
     """The copier thread: CPU copies, then wait for the CUDA copies; ends ``staging``."""
     error: BaseException | None = None
     try:
-        _copy_in_background(copies)
+        copy_in_background(copies)
     except BaseException as exc:
         error = exc
     for event in events:
@@ -233,7 +234,7 @@ def _finish_copies(staging: Staging, copies: list[Copy], events: list[torch.cuda
             event.synchronize()
         except BaseException as exc:
             error = error or exc
-    staging._finish(error)
+    staging.finish(error)
 
 
 def _copy_and_sync(copies: list[Copy], uses_cuda: bool) -> None:
@@ -270,7 +271,7 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _key(tensor: torch.Tensor) -> _Key | None:
+def tensor_key(tensor: torch.Tensor) -> _Key | None:
     """Which memory a tensor shows: its device and its storage's address (a DTensor's:
     its local shard's). None where a tensor has no storage to tell (it is then not
     guarded, so it is copied before ``save()`` returns)."""

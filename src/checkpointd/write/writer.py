@@ -190,8 +190,10 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         deadline = None if timeout is None else time.monotonic() + timeout
         for handle in list(self._pending):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle._done.wait(remaining):
-                raise CheckpointTimeoutError(f"saves still running after {timeout}s")
+            try:
+                handle.exception(remaining)  # waits; the error is raised below, once
+            except CheckpointTimeoutError:
+                raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
         self._pending.clear()
         self._service.failures.raise_first()
 
@@ -262,6 +264,13 @@ class AsyncCheckpointWriter(WriterBase):
     _group: TaskGroup | None = None
     _in_callers_loop = True
 
+    def _start(self) -> None:
+        """The service starts in ``__aenter__``; here only the table of each pending save's
+        event (set on this loop when it resolves), for ``_drain``."""
+        self._events: weakref.WeakKeyDictionary[SaveHandle, anyio.Event] = (
+            weakref.WeakKeyDictionary()
+        )
+
     async def __aenter__(self) -> AsyncCheckpointWriter:
         if self.background_niceness:
             raise InvalidArgumentError(
@@ -312,7 +321,9 @@ class AsyncCheckpointWriter(WriterBase):
             except BaseException:
                 self._service.release_buffer(buffer)
                 raise
-            handle = self._handle(step, started, anyio.Event(), staging)
+            event = anyio.Event()
+            handle = self._handle(step, started, event, staging)
+            self._events[handle] = event
             await self._service.submit(snapshot, handle)
         handle.blocked_seconds = time.perf_counter() - started
         return handle
@@ -328,8 +339,7 @@ class AsyncCheckpointWriter(WriterBase):
     async def _drain(self) -> None:
         for handle in list(self._pending):
             if not handle.done():
-                assert handle._event is not None
-                await handle._event.wait()
+                await self._events[handle].wait()
         self._pending.clear()
 
     async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API

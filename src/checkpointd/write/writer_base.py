@@ -9,12 +9,10 @@ so a bad call raises at once instead of failing in the background.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import anyio
 import torch
@@ -25,27 +23,22 @@ from checkpointd.errors import (
     CheckpointTimeoutError,
     InvalidArgumentError,
     StepOrderError,
-    StorageError,
     UnsupportedValueError,
     WriterClosedError,
 )
 from checkpointd.format.layout import MAX_STEP, is_step
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.ranks.group import LOCAL, Group, resolve_group, split_state
+from checkpointd.ranks.group import split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
-from checkpointd.storage import LocalStore, Store, open_store
-from checkpointd.write import lifecycle
-from checkpointd.write.capture import StagingBuffer, capture
+from checkpointd.write import lifecycle, opening
+from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.loop import NewerSteps, WriteService
+from checkpointd.write.loop import NewerSteps
 from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
 from checkpointd.write.staging import Stager, Staging, StagingMode
 from checkpointd.write.writer_args import plain_metrics_and_metadata
-
-if TYPE_CHECKING:
-    from checkpointd.daemon.remote import RemoteService
 
 __all__ = ["WriterBase"]
 
@@ -84,6 +77,7 @@ class WriterBase:
         service: str | os.PathLike[str] | None = None,
         chunk_bytes: int | None = None,
         join_seconds: float | None = None,
+        buffer_pool: BufferPool | None = None,
     ) -> None:
         self.options = WriterOptions(
             storage_options=storage_options,
@@ -101,16 +95,22 @@ class WriterBase:
             incremental=incremental,
             staging=staging,
             service=service,
+            buffer_pool=buffer_pool,
             chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
             join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
         )
         self.root = str(root)
         self._stager = Stager() if self.options.staging == "overlapped" else None
-        self._store = _open_root(self.root, self.options.storage_options)
+        self._store = opening.open_root(self.root, self.options)
         try:
-            local = self._store.root if isinstance(self._store, LocalStore) else None
-            self._ranks = _group(self.options, local or self._store.url.rstrip("/"))
-            self._service = self._open_service()
+            self._ranks = opening.open_group(self._store, self.options)
+            self._service = opening.open_service(
+                self.root,
+                self._store,
+                self.options,
+                self._ranks,
+                in_callers_loop=self._in_callers_loop,
+            )
         except BaseException:
             self._store.close()
             raise
@@ -150,40 +150,19 @@ class WriterBase:
     def service(self) -> str | None:  # "auto" or a socket path; None: in this process
         return self.options.service_path
 
-    def _open_service(self) -> WriteService | RemoteService:
-        """The write service: in this process, or the checkpoint service's stand-in (which
-        refuses what it does not support yet). Closes the group if it cannot be made."""
-        options, ranks = self.options, self._ranks
-        try:
-            if options.incremental and ranks is not None:
-                raise InvalidArgumentError(
-                    "incremental=True is for a writer that saves alone for now: this one saves "
-                    f"with {ranks.world_size} ranks (pass process_group=checkpointd.LOCAL, "
-                    "or drop incremental)"
-                )
-            if options.service is None:
-                return WriteService(
-                    self._store,
-                    options.policy,
-                    options.max_pending,
-                    options.max_concurrency,
-                    options.newer_steps,
-                    group=ranks,
-                    incremental=options.incremental,
-                    chunk_bytes=options.chunk_bytes,
-                )
-            from checkpointd.daemon.remote import open_remote
-
-            return open_remote(
-                self.root, options, ranked=ranks is not None, in_callers_loop=self._in_callers_loop
-            )
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
-
     def _start(self) -> None:
         """Start the write service where the front end runs it; last step of __init__."""
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step this writer knows of (None: none yet): read from the
+        root when the writer starts, then its own commits. Caller's thread."""
+        return self._service.newest
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save each checkpoint of this writer (1: it saves alone)."""
+        return 1 if self._ranks is None else self._ranks.world_size
 
     @property
     def _inherited(self) -> bool:
@@ -342,8 +321,15 @@ class WriterBase:
         event: anyio.Event | None = None,
         staging: Staging | None = None,
     ) -> SaveHandle:
-        handle = SaveHandle(step, started, event, loop_thread=self._service.loop_thread)
-        handle._staging = staging
+        service = self._service
+        handle = SaveHandle(
+            step,
+            started,
+            event,
+            loop_thread=service.loop_thread,
+            staging=staging,
+            failures=service.failures,
+        )
         self._pending.append(handle)
         return handle
 
@@ -382,22 +368,3 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _open_root(root: str, storage_options: Mapping[str, Any] | None) -> Store:
-    """The store of a writer's root; StorageError if a local root is a file."""
-    store = open_store(root, storage_options)
-    local = store.root if isinstance(store, LocalStore) else None
-    if local is not None and os.path.exists(local) and not os.path.isdir(local):
-        store.close()
-        raise StorageError(errno.ENOTDIR, f"checkpoint root {root} is a file, not a folder")
-    return store
-
-
-def _group(options: WriterOptions, root: str) -> Group | None:
-    """The group a writer of ``root`` saves with: none (alone) unless torch.distributed is
-    initialized with more than one rank in ``process_group`` and it is not LOCAL."""
-    process_group = options.process_group
-    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
-        return None
-    return resolve_group(process_group, root, join_seconds=options.join_seconds)
