@@ -10,11 +10,15 @@ repetition; it prints medians with [min..max] and the ratios the goals are on:
 - the same in a fresh process (what a resume after a crash does): a child
   process builds the model (its memory touched, as a constructor's init does),
   then times only the restore, and reports its peak extra RSS during it;
-- the memcpy floor: the same bytes copied into tensors already touched.
+- the memcpy floor: the same bytes copied into tensors already touched;
+- with ``--ranks-mb``: FSDP2 + AdamW on 2 and 4 ranks, and 3 ranks restoring what 2
+  saved, ``checkpointd.restore`` vs ``dcp.load`` + ``set_state_dict`` (bench_ranks);
+- with ``--s3-mb``: restore from S3 (moto) vs s3fs reading the same objects in turn,
+  and a small checkpoint's restore (restore_s3.py).
 
-Run: ``python -m benchmarks.bench_restore [--mb 705] [--reps 5] [--dir /tmp]``
-(``--smoke``: a tiny model, 2 reps). Writes ``benchmarks/results/restore.json``
-(or ``--json``).
+Run: ``python -m benchmarks.bench_restore [--mb 705] [--reps 5] [--dir /tmp]
+[--ranks-mb 64] [--s3-mb 256]`` (``--smoke``: a tiny model, 2 reps). Writes
+``benchmarks/results/restore.json`` (or ``--json``).
 """
 
 from __future__ import annotations
@@ -239,18 +243,23 @@ def report(table: Table, nbytes: int) -> list[str]:
 
 
 def _ranks(mb: float, reps: int, folder: Path) -> dict[str, Any]:
-    """bench_ranks' 2-rank run (and 3 ranks restoring what 2 saved), its restore rows."""
+    """bench_ranks' runs of 2 and 4 ranks (and 3 restoring what 2 saved): restore rows."""
     from benchmarks import bench_ranks
 
     with work_dir(folder, "restore-ranks") as work:
-        results: dict[str, Any] = bench_ranks.run([2], mb, reps, work)
+        results: dict[str, Any] = bench_ranks.run([2, 4], mb, reps, work)
     return results
 
 
 def _ranks_report(results: dict[str, Any]) -> list[str]:
-    two, three = results["worlds"]["2"], results["reshard_2_to_3"]
+    worlds = results["worlds"]
     lines = [f"many ranks: FSDP2 + AdamW, {results['mb']:g} MB of parameters (slowest rank)"]
-    for label, s in (("2 ranks", two), ("2 -> 3 ranks", three)):
+    rows = (
+        ("2 ranks", worlds["2"]),
+        ("4 ranks", worlds["4"]),
+        ("2 -> 3 ranks", results["reshard_2_to_3"]),
+    )
+    for label, s in rows:
         ratio = s["checkpointd.read.restore"] / s["dcp.restore"]
         mark = "ok" if ratio <= 0.8 else "MISSED (goal <= 0.8)"
         lines.append(
@@ -272,8 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         "--ranks-mb",
         type=float,
         default=0,
-        help="also the many-rank rows (2-rank FSDP2 + AdamW restore vs DCP, and 2 -> 3): "
-        "parameter MB, through benchmarks.bench_ranks (0: skip, the default)",
+        help="also the many-rank rows (FSDP2 + AdamW restore vs DCP on 2 and 4 ranks, and "
+        "2 -> 3): parameter MB, through benchmarks.bench_ranks (0: skip, the default)",
+    )
+    parser.add_argument(
+        "--s3-mb",
+        type=float,
+        default=0,
+        help="also the S3 rows (restore from moto vs s3fs reading the same objects in "
+        "turn): model MB (0: skip, the default; benchmarks/restore_s3.py)",
     )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "PATH", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -294,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks_mb:
         ranks = _ranks(args.ranks_mb, args.reps, folder)
         lines += _ranks_report(ranks)
+    s3: dict[str, Any] | None = None
+    if args.s3_mb:
+        from benchmarks import restore_s3
+
+        s3_table, s3_bytes, s3_objects = restore_s3.run(build, width_for(args.s3_mb), args.reps)
+        lines += restore_s3.report(s3_table, s3_bytes, s3_objects)
+        s3 = {"nbytes": s3_bytes, "objects": s3_objects, "series": s3_table.as_json()}
     print("\n".join(lines))
     if args.json:
         out = Path(args.json)
@@ -305,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "d": d,
             "series": table.as_json(),
             "ranks": ranks,
+            "s3": s3,
             "ratios": {
                 label: table.ratio(ours, theirs)
                 for label, ours, theirs, _ in ROWS

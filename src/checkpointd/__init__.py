@@ -6,101 +6,24 @@ once every byte of it is durable.
 
 The public names are imported on first use (PEP 562), so ``import checkpointd``
 stays cheap (no torch) for tools that only list or check checkpoints; submodules
-(``checkpointd.tunables``...) load on first attribute access too.
+(``checkpointd.tunables``...) load on first attribute access too. The error and
+warning classes (``errors.__all__``) are bound at import: errors imports nothing.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
-from checkpointd._version import __version__
+from checkpointd._version import __version__ as __version__
+from checkpointd.errors import *  # noqa: F403  (errors imports nothing: cheap to bind now)
 
-if TYPE_CHECKING:
-    from checkpointd.errors import (
-        CheckpointError,
-        CheckpointExistsError,
-        CheckpointNotFoundError,
-        CheckpointTimeoutError,
-        CheckpointWarning,
-        CorruptCheckpointError,
-        IncompatibleCheckpointError,
-        InvalidArgumentError,
-        RankFailedError,
-        RestoreMismatchError,
-        ResumeNotExactWarning,
-        RetentionWarning,
-        ServiceError,
-        ServiceMemoryError,
-        SpecChangedWarning,
-        StagingError,
-        StepOrderError,
-        StorageCapabilityWarning,
-        StorageError,
-        StorageFullError,
-        StorageNotFoundError,
-        StoragePermissionError,
-        UnsafeSpecError,
-        UnsupportedValueError,
-        ValidationFailedError,
-        WriterClosedError,
-        WrongThreadError,
-    )
-    from checkpointd.format.manifest import CheckpointInfo
-    from checkpointd.interop.foreign import import_checkpoint
-    from checkpointd.maintain.retention import RetentionPolicy
-    from checkpointd.ranks.group import LOCAL, PerRank
-    from checkpointd.read.restore import (
-        Checkpoint,
-        RestoreInfo,
-        SkippedStep,
-        list_checkpoints,
-        load,
-        restore,
-    )
-    from checkpointd.rebuild.allowlist import BUILTIN_ALLOW
-    from checkpointd.rebuild.build import build
-    from checkpointd.rebuild.spec import spec
-    from checkpointd.state.progress import TrainingProgress
-    from checkpointd.state.rng import RNGState
-    from checkpointd.write.writer import AsyncCheckpointWriter, CheckpointWriter, SaveHandle
-
+# The lazy names, by home module: the one table __getattr__ and __all__ read.
 _HOMES: dict[str, tuple[str, ...]] = {
-    "checkpointd.errors": (
-        "CheckpointError",
-        "CheckpointExistsError",
-        "CheckpointNotFoundError",
-        "CheckpointTimeoutError",
-        "CheckpointWarning",
-        "CorruptCheckpointError",
-        "IncompatibleCheckpointError",
-        "InvalidArgumentError",
-        "RankFailedError",
-        "RestoreMismatchError",
-        "ResumeNotExactWarning",
-        "RetentionWarning",
-        "ServiceError",
-        "ServiceMemoryError",
-        "StagingError",
-        "StepOrderError",
-        "StorageCapabilityWarning",
-        "StorageError",
-        "StorageFullError",
-        "StorageNotFoundError",
-        "SpecChangedWarning",
-        "StoragePermissionError",
-        "UnsafeSpecError",
-        "UnsupportedValueError",
-        "ValidationFailedError",
-        "WriterClosedError",
-        "WrongThreadError",
-    ),
-    "checkpointd.rebuild.allowlist": ("BUILTIN_ALLOW",),
-    "checkpointd.rebuild.build": ("build",),
-    "checkpointd.interop.foreign": ("import_checkpoint",),
-    "checkpointd.ranks.group": ("LOCAL", "PerRank"),
     "checkpointd.format.manifest": ("CheckpointInfo",),
-    "checkpointd.state.progress": ("TrainingProgress",),
+    "checkpointd.interop.foreign": ("import_checkpoint",),
+    "checkpointd.maintain.retention": ("RetentionPolicy",),
+    "checkpointd.ranks.group": ("LOCAL", "PerRank"),
     "checkpointd.read.restore": (
         "Checkpoint",
         "RestoreInfo",
@@ -109,74 +32,26 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "load",
         "restore",
     ),
-    "checkpointd.maintain.retention": ("RetentionPolicy",),
-    "checkpointd.state.rng": ("RNGState",),
+    "checkpointd.rebuild.allowlist": ("BUILTIN_ALLOW",),
+    "checkpointd.rebuild.build": ("build",),
     "checkpointd.rebuild.spec": ("spec",),
+    "checkpointd.state.progress": ("TrainingProgress",),
+    "checkpointd.state.rng": ("RNGState",),
     "checkpointd.write.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = [
-    "BUILTIN_ALLOW",
-    "LOCAL",
-    "AsyncCheckpointWriter",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointInfo",
-    "CheckpointNotFoundError",
-    "CheckpointTimeoutError",
-    "CheckpointWarning",
-    "CheckpointWriter",
-    "CorruptCheckpointError",
-    "IncompatibleCheckpointError",
-    "InvalidArgumentError",
-    "PerRank",
-    "RNGState",
-    "RankFailedError",
-    "RestoreInfo",
-    "RestoreMismatchError",
-    "ResumeNotExactWarning",
-    "RetentionPolicy",
-    "RetentionWarning",
-    "SaveHandle",
-    "ServiceError",
-    "ServiceMemoryError",
-    "SkippedStep",
-    "SpecChangedWarning",
-    "StagingError",
-    "StepOrderError",
-    "StorageCapabilityWarning",
-    "StorageError",
-    "StorageFullError",
-    "StorageNotFoundError",
-    "StoragePermissionError",
-    "TrainingProgress",
-    "UnsafeSpecError",
-    "UnsupportedValueError",
-    "ValidationFailedError",
-    "WriterClosedError",
-    "WrongThreadError",
-    "__version__",
-    "build",
-    "import_checkpoint",
-    "list_checkpoints",
-    "load",
-    "restore",
-    "spec",
-]
 
-
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     """Import a public name's home module on first use; or a submodule of that name."""
     home = _HOME_OF.get(name)
     if home is not None:
-        value = getattr(importlib.import_module(home), name)
+        value = getattr(_importlib.import_module(home), name)
         globals()[name] = value  # later lookups skip this hook
         return value
     if not name.startswith("_"):
         try:
-            return importlib.import_module(f"{__name__}.{name}")
+            return _importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise
@@ -184,4 +59,37 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *_HOME_OF})
+
+
+if _typing.TYPE_CHECKING:
+    # The same table as imports, for type checkers (they cannot run __getattr__); the
+    # ``X as X`` form marks each a re-export. tests/unit/test_package.py keeps it and
+    # _HOMES in step.
+    from checkpointd.format.manifest import CheckpointInfo as CheckpointInfo
+    from checkpointd.interop.foreign import import_checkpoint as import_checkpoint
+    from checkpointd.maintain.retention import RetentionPolicy as RetentionPolicy
+    from checkpointd.ranks.group import LOCAL as LOCAL
+    from checkpointd.ranks.group import PerRank as PerRank
+    from checkpointd.read.restore import Checkpoint as Checkpoint
+    from checkpointd.read.restore import RestoreInfo as RestoreInfo
+    from checkpointd.read.restore import SkippedStep as SkippedStep
+    from checkpointd.read.restore import list_checkpoints as list_checkpoints
+    from checkpointd.read.restore import load as load
+    from checkpointd.read.restore import restore as restore
+    from checkpointd.rebuild.allowlist import BUILTIN_ALLOW as BUILTIN_ALLOW
+    from checkpointd.rebuild.build import build as build
+    from checkpointd.rebuild.spec import spec as spec
+    from checkpointd.state.progress import TrainingProgress as TrainingProgress
+    from checkpointd.state.rng import RNGState as RNGState
+    from checkpointd.write.writer import AsyncCheckpointWriter as AsyncCheckpointWriter
+    from checkpointd.write.writer import CheckpointWriter as CheckpointWriter
+    from checkpointd.write.writer import SaveHandle as SaveHandle
+else:
+    # Hidden from type checkers: mypy reads only a literal __all__ and would take this
+    # derived one as empty, making every name above private.
+    from checkpointd import errors
+
+    __all__ = ["__version__"]
+    __all__ += errors.__all__
+    __all__.extend(_HOME_OF)

@@ -30,8 +30,11 @@ __all__ = [
     "READ_THREADS",
     "S3_PARALLEL_PARTS",
     "S3_PART_BYTES",
+    "S3_READ_PARALLEL",
+    "S3_READ_PART_BYTES",
     "SHARD_BLOCK_BYTES",
     "STALE_SECONDS",
+    "STORE_VALUE_BYTES",
 ]
 
 # --- writing -----------------------------------------------------------------
@@ -58,6 +61,12 @@ S3_PART_BYTES = 16 * 2**20
 
 S3_PARALLEL_PARTS = 4
 """Parts of one file uploaded at once."""
+
+S3_READ_PART_BYTES = 16 * 2**20
+"""A read from S3 longer than this is split into ranged GETs of this size."""
+
+S3_READ_PARALLEL = 8
+"""Ranged GETs one S3 store has in flight at once (all its reading threads together)."""
 
 MAX_METADATA_BYTES = 16 * 2**20
 """Encoded metrics plus metadata of one save: a quarter of MAX_MANIFEST_BYTES, the
@@ -133,3 +142,8 @@ a writer's ``join_seconds``."""
 POLL_SECONDS = 0.05
 """Longest pause between two looks at the store while a rank waits for the others (the
 first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
+
+STORE_VALUE_BYTES = 4 * 2**20
+"""Largest value a rank sets in the job's c10d store in one piece; larger ones (a many-rank
+manifest, a post with many shards) go as chunks of this size (ranks/values.py). Half the
+8 MiB payload the libuv TCPStore accepts."""

@@ -178,6 +178,19 @@ def test_short_read_is_an_error(store: Store) -> None:
         store.read_into("d/short", memoryview(bytearray(10)))
 
 
+def test_a_sized_read_tells_the_size_and_fills_only_what_the_file_holds(store: Store) -> None:
+    _write(store, "d/sized", b"0123456789")
+    buffer = bytearray(4)
+    assert store.read_into_sized("d/sized", memoryview(buffer), 3) == 10
+    assert bytes(buffer) == b"3456"
+    untouched = bytearray(b"x" * 8)
+    assert store.read_into_sized("d/sized", memoryview(untouched), 5) == 10  # past the end
+    assert untouched == b"x" * 8
+    assert store.read_into_sized("d/sized", memoryview(bytearray(0)), 0) == 10
+    with pytest.raises(StorageNotFoundError):
+        store.read_into_sized("d/missing", memoryview(bytearray(4)))
+
+
 def test_remove_file_and_dir_are_idempotent(store: Store) -> None:
     _write(store, "d/x", b"1")
     _write(store, "d/y", b"2")
@@ -262,7 +275,7 @@ def test_guarded_publish_never_takes_a_racing_writers_file(
 
 
 def test_shared_folders_beside_step_folders(store: Store) -> None:
-    """What incremental saves need of a backend (shared.py): folders that are not step
+    """What incremental saves need of a backend (maintain/blobs.py): folders that are not step
     folders, made twice, listed when absent, files replaced and removed there."""
     assert store.list_dir("pins") == []  # never made: empty, not an error
     store.make_dir("blobs")

@@ -136,3 +136,48 @@ def test_torchtitan_benchmark_smoke() -> None:
     summary = bench_torchtitan.main(tiny)
     assert set(summary) == {"dcp", "checkpointd"}
     assert all(row["saves"] == 2 and row["blocked_ms"] > 0 for row in summary.values())
+
+
+@pytest.mark.timeout(120)
+def test_scale_model_quick(tmp_path: Path) -> None:
+    """The scale model's quick mode runs the real commit on a real TCPStore; what it
+    measures has the shapes the README's table relies on."""
+    from benchmarks import bench_scale
+
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    args = ["--quick", "--dir", str(tmp_path), "--json", str(out), "--plot", str(png)]
+    assert bench_scale.main(args) == 0
+    assert png.stat().st_size > 0
+    rows = json.loads(out.read_text())["rows"]
+    fsdp = [r for r in rows if r["layout"] == "fsdp"]
+    assert [r["ranks"] for r in fsdp] == bench_scale.QUICK
+    for row in rows:
+        assert "refused" not in row
+        assert row["decode_s"] is not None
+        assert "publisher_error" not in row
+        assert "follower_error" not in row
+        # every rank's post read once (check + get), every component named on both ranks
+        assert row["read_ops"] == 2 * row["ranks"]
+        assert row["publisher"]["components"] == row["follower"]["components"] == row["ranks"] + 2
+    # a rank's post does not grow with the job; the manifest does (it lists every shard)
+    assert fsdp[-1]["post_bytes_median"] <= fsdp[0]["post_bytes_median"]
+    assert fsdp[-1]["manifest_bytes"] > 2 * fsdp[0]["manifest_bytes"]
+    assert fsdp[-1]["manifest_bytes"] > 2 * 4 * 2**20  # the store took it in chunks
+    assert {r["layout"] for r in rows} >= {"fsdp", "hsdp2x8"}
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+@pytest.mark.timeout(60)
+def test_scale_model_a_manifest_too_large_fails_the_save_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import bench_scale
+    from checkpointd import tunables
+
+    monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 2**20)
+    row = bench_scale.run_case(8, "fsdp", 8, 4, tmp_path)
+    assert "MAX_MANIFEST_BYTES" in row["publisher_error"]
+    assert row["follower_error"].startswith("RankFailedError")
+    assert "MAX_MANIFEST_BYTES" in row["follower_error"]
+    assert "MAX_MANIFEST_BYTES" in row["refused"]
+    assert not list((tmp_path).rglob("manifest.json"))

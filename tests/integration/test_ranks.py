@@ -51,6 +51,11 @@ def test_replicated_save_spreads_files_over_ranks_and_loads_whole(
     assert [r and r["ok"] for r in reports] == [True, True], reports
     manifest = catalog.read_manifest(open_store(str(tmp_path / "root")), 1)
     assert manifest.world_size == 2
+    # the follower's CheckpointInfo (from the publisher's summary) is the publisher's
+    info = checkpointd.list_checkpoints(str(tmp_path / "root"))[0]
+    whole = [info.step, info.nbytes, list(info.components), info.path]
+    assert _seen(reports, 0)["info"] == _seen(reports, 1)["info"] == whole
+    assert "loader-rank1" in whole[2]
     assert {f.rank for f in manifest.files} == {0, 1}  # the bytes are spread by size
     by_rank = [sum(f.size for f in manifest.files if f.rank == r) for r in (0, 1)]
     assert max(by_rank) < 0.7 * sum(by_rank)

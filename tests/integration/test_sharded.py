@@ -15,11 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 import checkpointd
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.dtypes import decode_dtype, encode_dtype
+from checkpointd.format.manifest import decode_manifest, encode_manifest, step_dirname
 from checkpointd.read import catalog
 from checkpointd.read.verify import verify_step
 from checkpointd.storage import open_store
@@ -126,6 +129,41 @@ def test_a_damaged_shard_block_fails_load_and_verify(
     assert len(bad) == 1
     assert shard.file in bad[0]
     assert "CRC32C" in bad[0]
+
+
+def test_sharded_tensors_read_either_dtype_spelling(
+    fsdp2_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Shards name their dtype as torch does ("float32"); with the safetensors code
+    ("F32") instead, the same checkpoint loads the same state."""
+    root = tmp_path / "root"
+    shutil.copytree(fsdp2_on_2[0], root)
+    path = root / step_dirname(1) / "manifest.json"
+    manifest = decode_manifest(path.read_bytes())
+
+    def as_code(name: str) -> str:
+        dtype = decode_dtype(name)
+        assert dtype is not None, name
+        return encode_dtype(dtype, "code")
+
+    components = {
+        name: msgspec.structs.replace(
+            entry,
+            sharded={
+                tensor: msgspec.structs.replace(sharded, dtype=as_code(sharded.dtype))
+                for tensor, sharded in entry.sharded.items()
+            },
+        )
+        for name, entry in manifest.components.items()
+    }
+    assert {s.dtype for e in manifest.components.values() for s in e.sharded.values()} == {
+        "float32"
+    }
+    path.write_bytes(encode_manifest(msgspec.structs.replace(manifest, components=components)))
+    expected = checkpointd.load(fsdp2_on_2[0]).state
+    respelled = catalog.read_manifest(open_store(str(root)), 1)
+    assert {s.dtype for e in respelled.components.values() for s in e.sharded.values()} == {"F32"}
+    same(expected, checkpointd.load(str(root)).state)
 
 
 def test_fsdp2_on_3_restores_on_2(tmp_path: Path) -> None:

@@ -129,7 +129,8 @@ def main() -> None:
         with checkpointd.CheckpointWriter(root) as writer:
             assert writer.world_size == world, writer.world_size  # every rank saves together
             if scenario != "rank0_only" or rank == 0:
-                writer.save(step, state).result()
+                info = writer.save(step, state).result()
+                result["info"] = [info.step, info.nbytes, list(info.components), info.path]
             result["ok"] = True
             if scenario == "rank0_only" and rank != 0:
                 # the other ranks keep their writer open (heartbeating) until rank 0 is done

@@ -15,7 +15,8 @@ on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
 WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
-save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True). Reports also carry ``shard_bytes_read``: bytes this rank read from shard files.
+save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True). Reports also carry
+``shard_bytes_read``: distinct bytes this rank read from shard files.
 """
 
 from __future__ import annotations
@@ -91,20 +92,52 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def count_shard_reads(result: dict[str, Any]) -> None:
-    """Add the bytes every store reads from shard files (``*.rankR.safetensors``) to
-    ``result["shard_bytes_read"]``."""
+    """Keep ``result["shard_bytes_read"]`` at the distinct bytes this rank read from shard
+    files (``*.rankR.safetensors``), by path or through a pinned file (restore reads a
+    box twice: checked, then into the live tensor; counted once)."""
     result["shard_bytes_read"] = 0
+    seen: dict[str, set[tuple[int, int]]] = {}
+
+    def note(path: str, offset: int, size: int) -> None:
+        if ".rank" in path:
+            spans = seen.setdefault(path, set())
+            spans.add((offset, offset + size))
+            result["shard_bytes_read"] = sum(_union(s) for s in seen.values())
+
     for cls in (LocalStore, FsspecStore):
         original = cls.read_into
 
         def read_into(
             self: Any, path: str, buffer: memoryview, offset: int = 0, _original: Any = original
         ) -> None:
-            if ".rank" in path:
-                result["shard_bytes_read"] += buffer.nbytes
+            note(path, offset, buffer.nbytes)
             _original(self, path, buffer, offset)
 
         cls.read_into = read_into  # type: ignore[method-assign]
+    open_pinned = LocalStore.open_pinned
+
+    def pinned(self: LocalStore, path: str) -> Any:
+        handle = open_pinned(self, path)
+        read = handle.read_into
+
+        def counted(buffer: memoryview, offset: int = 0) -> None:
+            note(path, offset, buffer.nbytes)
+            read(buffer, offset)
+
+        handle.read_into = counted  # type: ignore[method-assign]
+        return handle
+
+    LocalStore.open_pinned = pinned  # type: ignore[method-assign]
+
+
+def _union(spans: set[tuple[int, int]]) -> int:
+    """Bytes covered by the (begin, end) spans."""
+    total, reach = 0, 0
+    for begin, end in sorted(spans):
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
 
 
 def main() -> None:

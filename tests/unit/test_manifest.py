@@ -95,3 +95,19 @@ def test_not_json_is_corrupt() -> None:
         decode_manifest(data)
     with pytest.raises(CorruptCheckpointError, match="trailer"):
         decode_manifest(b"{}")
+
+
+def test_a_manifest_no_reader_would_accept_is_refused_when_encoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from checkpointd import tunables
+    from checkpointd.errors import UnsupportedValueError
+
+    base = _manifest()
+    manifest = _manifest(files=[*base.files, *(FileEntry(f"f{i}.bin", i, i) for i in range(200))])
+    fits = encode_manifest(manifest)
+    monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", len(fits))
+    assert decode_manifest(encode_manifest(manifest)) == manifest
+    monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", len(fits) - 100)
+    with pytest.raises(UnsupportedValueError, match="MAX_MANIFEST_BYTES"):
+        encode_manifest(manifest)

@@ -53,15 +53,54 @@ def test_public_names_win_over_submodules_of_the_same_name() -> None:
     )
 
 
-def test_all_lists_exactly_the_lazy_names() -> None:
-    assert set(checkpointd.__all__) == {*checkpointd._HOME_OF, "__version__"}  # noqa: SLF001 - the lazy-name table is what is tested
+def test_all_lists_exactly_the_table_and_the_errors() -> None:
+    expected = {*checkpointd._HOME_OF, *errors.__all__, "__version__"}  # noqa: SLF001 - the lazy-name table is what is tested
+    assert sorted(checkpointd.__all__) == sorted(expected)  # and each once
     for name in checkpointd.__all__:
         assert hasattr(checkpointd, name), name
 
 
+def test_star_import_binds_every_public_name() -> None:
+    _run(
+        "from checkpointd import *\n"
+        "import checkpointd\n"
+        "assert all(globals()[n] is getattr(checkpointd, n) for n in checkpointd.__all__)"
+    )
+
+
+def _type_checking_imports() -> dict[str, set[str]]:
+    """Module -> names imported in __init__'s ``if _typing.TYPE_CHECKING:`` block, each
+    checked to be in the ``X as X`` form that tells type checkers it is re-exported."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    blocks = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Attribute)
+        and node.test.attr == "TYPE_CHECKING"
+    ]
+    assert len(blocks) == 1
+    found: dict[str, set[str]] = {}
+    for stmt in blocks[0].body:
+        assert isinstance(stmt, ast.ImportFrom), ast.dump(stmt)
+        assert stmt.module
+        for alias in stmt.names:
+            assert alias.asname == alias.name, f"{alias.name} is not imported as itself"
+            found.setdefault(stmt.module, set()).add(alias.name)
+    return found
+
+
+def test_type_checking_block_and_the_table_agree() -> None:
+    # The block is what mypy sees, _HOMES what runs: a name in one only is a public
+    # name that fails at runtime or that a type checker does not know.
+    homes = checkpointd._HOMES  # noqa: SLF001 - the lazy-name table is what is tested
+    table = {module: set(names) for module, names in homes.items()}
+    assert _type_checking_imports() == table
+
+
 def test_unknown_attribute_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
-        _ = checkpointd.no_such_name  # type: ignore[attr-defined]
+        _ = checkpointd.no_such_name  # typed Any through __getattr__, raises at runtime
 
 
 def test_warnings_are_exported_and_are_the_ones_emitted() -> None:

@@ -99,10 +99,10 @@ def test_intersect_boxes() -> None:
 
 def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
     from checkpointd.errors import RankFailedError
-    from checkpointd.ranks.commit import _merge_shards, _Share
+    from checkpointd.ranks.merge import Share, _merge_shards
 
-    def share(*shards: ShardEntry, dtype: str = "float32") -> _Share:
-        return _Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
+    def share(*shards: ShardEntry, dtype: str = "float32") -> Share:
+        return Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
 
     entry = ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor()})
     top, bottom = shard([0, 0], [2, 6]), shard([2, 0], [2, 6], file="m.t.rank1.safetensors")
@@ -112,3 +112,32 @@ def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
         _merge_shards(1, "m", entry, [share(top), share(top)])
     with pytest.raises(RankFailedError, match="disagree on DTensor m/w"):
         _merge_shards(1, "m", entry, [share(top), share(bottom, dtype="bfloat16")])
+
+
+def test_a_rank_posts_only_the_shards_it_wrote_and_the_publisher_merges_them() -> None:
+    """A replica that writes none of a tensor's shards, or holds an empty tail chunk,
+    posts nothing of it; the merge still needs every byte of the tensor."""
+    from checkpointd.errors import RankFailedError
+    from checkpointd.ranks.merge import Share, _merge_shards, written_shards
+
+    empty = shard([4, 0], [0, 6], file="m.t.rank2.safetensors")
+    components = {
+        "m": ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor(empty), "v": tensor()}),
+        "rng-rank2": ComponentEntry("rng-rank2.t.tree.msgpack"),
+    }
+    assert written_shards(components, {"rng-rank2": "rng"}) == {}
+    top, bottom = shard([0, 0], [2, 6]), shard([2, 0], [2, 6], file="m.t.rank1.safetensors")
+    components["m"] = ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor(top, empty)})
+    assert written_shards(components, {}) == {"m": {"w": tensor(top)}}
+
+    def share(*shards: ShardEntry) -> Share:
+        return Share([], {}, {}, {"m": {"w": tensor(*shards)}} if shards else {})
+
+    entry = ComponentEntry("m.t.tree.msgpack", sharded={"w": tensor()})
+    merged = _merge_shards(1, "m", entry, [share(top), share(), share(bottom)])
+    assert merged.sharded["w"] == tensor(top, bottom)
+    with pytest.raises(RankFailedError, match="do not tile"):
+        _merge_shards(1, "m", entry, [share(top), share()])
+    stray = Share([], {}, {}, {"m": {"x": tensor(top)}})
+    with pytest.raises(RankFailedError, match="disagree on DTensor m/x"):
+        _merge_shards(1, "m", entry, [share(top), share(bottom), stray])

@@ -3,7 +3,7 @@
 One anyio event loop (asyncio). Each connection is served by a task of its own,
 so a client that sends garbage, stalls inside a frame or hangs up only ends its
 own connection. Each writer that opens through the service gets a write service
-of today's kind (``service.WriteService``: plan, commit protocol, retention)
+of today's kind (``write.loop.WriteService``: plan, commit protocol, retention)
 whose snapshots live in the segments the trainers captured into. A submitted
 save belongs to the service: it commits whether or not its client is still
 there. Segments allocated and never submitted are freed when their connection

@@ -1,7 +1,7 @@
 """A snapshot and its description: the trainer describes what it captured into a segment,
 the service rebuilds the very ``plan.Snapshot`` an in-process save would write.
 
-The trees travel encoded (``format.encode_tree``) and come back as ``msgspec.Raw``,
+The trees travel encoded (``codec.encode_tree``) and come back as ``msgspec.Raw``,
 which the plan's ``encode_tree`` writes out byte for byte: the files are the same
 as an in-process save's. Every offset, size and name is checked against the
 segment before the service trusts it. ``held_checkpoint`` is what the memory tier
@@ -17,7 +17,8 @@ import torch
 
 from checkpointd.errors import CheckpointError, InvalidArgumentError, UnsupportedValueError
 from checkpointd.format.codec import encode_tree
-from checkpointd.format.header import DTYPE_CODES, DTYPES_BY_CODE, TensorEntry
+from checkpointd.format.dtypes import decode_dtype, encode_dtype
+from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import (
     MANIFEST_NAME,
     check_component_name,
@@ -51,7 +52,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
                 "the checkpoint service does not write those yet (use service=None)"
             )
         entries = [
-            EntryDesc(e.name, DTYPE_CODES[e.dtype], list(e.shape), e.begin, e.end)
+            EntryDesc(e.name, encode_dtype(e.dtype, "code"), list(e.shape), e.begin, e.end)
             for e in component.entries
         ]
         tree = encode_tree(component.tree)
@@ -110,7 +111,7 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
 
 
 def _entry(entry: EntryDesc, comp: ComponentDesc) -> TensorEntry:
-    dtype = DTYPES_BY_CODE.get(entry.dtype)
+    dtype = decode_dtype(entry.dtype)
     if dtype is None:
         raise ProtocolError(f"tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
     if any(d < 0 for d in entry.shape):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 
-__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_stream"]
+__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_each", "crc32c_stream"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -84,7 +84,36 @@ def crc32c_stream(
     (both release the GIL); ``after(i, view)`` then runs on span ``i`` before span
     ``i + 2`` is read (so two buffers may alternate between spans). Blocking.
     """
+    return _stream(spans, read, after, chained=True)[-1] if spans else 0
+
+
+def crc32c_each(
+    spans: Sequence[Span],
+    read: Callable[[memoryview, int], None],
+    after: Callable[[int, memoryview], None] | None = None,
+) -> list[int]:
+    """As ``crc32c_stream``, but the CRC32C of each span on its own (per-block digests)."""
+    return _stream(spans, read, after, chained=False)
+
+
+def _stream(
+    spans: Sequence[Span],
+    read: Callable[[memoryview, int], None],
+    after: Callable[[int, memoryview], None] | None,
+    *,
+    chained: bool,
+) -> list[int]:
+    """The digest after each span, continued from the previous one if ``chained``."""
+    digests: list[int] = []
     digest = 0
+    if len(spans) == 1:  # nothing to overlap: no helper thread
+        view, offset = spans[0]
+        if offset is not None:
+            read(view, offset)
+        digests.append(crc32c(view))
+        if after is not None:
+            after(0, view)
+        return digests
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
 
         def start(i: int) -> concurrent.futures.Future[None] | None:
@@ -99,11 +128,12 @@ def crc32c_stream(
                 pending.result()
             pending = start(i + 1)
             try:
-                digest = crc32c(view, digest)
+                digest = crc32c(view, digest if chained else 0)
+                digests.append(digest)
                 if after is not None:
                     after(i, view)
             except BaseException:
                 if pending is not None:
                     concurrent.futures.wait([pending])
                 raise
-    return digest
+    return digests

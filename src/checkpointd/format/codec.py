@@ -21,6 +21,7 @@ import torch
 
 from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, UnsupportedValueError
+from checkpointd.format.dtypes import decode_dtype
 
 __all__ = [
     "BigInt",
@@ -80,7 +81,7 @@ class StateDictNode:
 
 
 class DTypeNode:
-    """A ``torch.dtype`` value, stored by name."""
+    """A ``torch.dtype`` value, stored by its torch name (format.dtypes)."""
 
     __slots__ = ("name",)
 
@@ -214,7 +215,7 @@ def decode_tree(
         if code == _EXT_STATE_DICT:
             return _state_dict(decoder.decode(payload), where)
         if code == _EXT_DTYPE:
-            return dtype_by_name(bytes(payload).decode(), where)
+            return _dtype(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
             return _decode_numpy_scalar(decoder.decode(payload), where)
         raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
@@ -296,12 +297,9 @@ def _check_decoded(tree: Any, where: str) -> None:
                 )
 
 
-# Looked up in torch's namespace directly: getattr(torch, name) may import submodules.
-_DTYPES_BY_NAME = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
-
-
-def dtype_by_name(name: str, where: str) -> torch.dtype:
-    dtype = _DTYPES_BY_NAME.get(name)
+def _dtype(text: str, where: str) -> torch.dtype:
+    """A tree's dtype value (any torch dtype, not only a storable one)."""
+    dtype = decode_dtype(text, storable=False)
     if dtype is None:
-        raise CorruptCheckpointError(f"{where}: unknown dtype name {name!r}")
+        raise CorruptCheckpointError(f"{where}: unknown dtype {text!r}")
     return dtype

@@ -1,4 +1,4 @@
-"""The safetensors header of a component's tensor file: dtype codes, encode and parse.
+"""The safetensors header of a component's tensor file: encode and parse.
 
 A tensor file is an 8-byte little-endian header length, a JSON header naming
 each tensor's dtype, shape and byte range, then the data region. The writer
@@ -18,42 +18,17 @@ import msgspec
 import torch
 
 from checkpointd import tunables
-from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError, UnsupportedValueError
+from checkpointd.errors import CorruptCheckpointError, InvalidArgumentError
+from checkpointd.format.dtypes import decode_dtype, encode_dtype
 from checkpointd.format.layout import HEADER_ALIGN
 
 __all__ = [
-    "DTYPES_BY_CODE",
-    "DTYPE_CODES",
     "TensorEntry",
-    "check_storable",
     "encode_safetensors_header",
     "header_length",
     "parse_safetensors_header",
     "shape_fits",
 ]
-
-# safetensors dtype codes; the order of this table is the order of preference on write.
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.complex64: "C64",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +61,7 @@ def encode_safetensors_header(entries: list[TensorEntry], *, align: int = HEADER
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "checkpointd"}}
     for entry in entries:
         header[entry.name] = {
-            "dtype": DTYPE_CODES[entry.dtype],
+            "dtype": encode_dtype(entry.dtype, "code"),
             "shape": list(entry.shape),
             "data_offsets": [entry.begin, entry.end],
         }
@@ -127,7 +102,7 @@ def parse_safetensors_header(header: bytes, data_size: int, *, where: str) -> li
             item = msgspec.convert(value, _HeaderEntry)
         except msgspec.ValidationError as exc:
             raise CorruptCheckpointError(f"{where}: bad header entry {name!r} ({exc})") from exc
-        dtype = DTYPES_BY_CODE.get(item.dtype)
+        dtype = decode_dtype(item.dtype)
         if dtype is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {item.dtype!r} for {name!r}")
         if not shape_fits(item.shape):
@@ -172,12 +147,3 @@ def shape_fits(shape: Sequence[int]) -> bool:
         if product > _INT64_MAX:
             return False
     return True
-
-
-def check_storable(dtype: torch.dtype, path: str) -> None:
-    """Raise UnsupportedValueError if tensors of ``dtype`` cannot be stored."""
-    if dtype not in DTYPE_CODES:
-        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-        raise UnsupportedValueError(
-            f"{path}: dtype {dtype} cannot be stored in a safetensors file (supported: {supported})"
-        )

@@ -13,7 +13,6 @@ version that changes a field's meaning needs a migration here, with a test.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -28,13 +27,8 @@ from checkpointd.errors import (
     UnsupportedValueError,
 )
 from checkpointd.format.checksum import crc32c
-from checkpointd.format.layout import (
-    MANIFEST_NAME,
-    is_blob_name,
-    is_component_name,
-    is_safe_file_name,
-    step_dirname,
-)
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest_checks import check_consistency, shard_problem
 
 __all__ = [
     "MANIFEST_NAME",
@@ -231,14 +225,22 @@ def encode_manifest(manifest: Manifest) -> bytes:
     """Encode ``manifest`` as JSON with its trailing CRC32C member.
 
     Raises UnsupportedValueError for metrics or metadata nested deeper than
-    tunables.MAX_JSON_DEPTH, which no reader would accept.
+    tunables.MAX_JSON_DEPTH, or a manifest over tunables.MAX_MANIFEST_BYTES, which no
+    reader would accept.
     """
     if (field := _deep_field(manifest)) is not None:
         raise UnsupportedValueError(
             f"{field} is nested deeper than {tunables.MAX_JSON_DEPTH} levels; flatten it to save"
         )
     body = msgspec.json.encode(manifest)
-    return body[:-1] + b',"manifest_crc32c":"%08x"}\n' % crc32c(body)
+    data = body[:-1] + b',"manifest_crc32c":"%08x"}\n' % crc32c(body)
+    if len(data) > tunables.MAX_MANIFEST_BYTES:
+        raise UnsupportedValueError(
+            f"the manifest of step {manifest.step} would be {len(data):,} bytes, over the "
+            f"{tunables.MAX_MANIFEST_BYTES:,} any reader accepts (tunables.MAX_MANIFEST_BYTES); "
+            "save fewer shards (HSDP: shard over fewer ranks) or fewer tensors"
+        )
+    return data
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
@@ -276,7 +278,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         raise CorruptCheckpointError(
             f"{where}: {field} is nested deeper than {tunables.MAX_JSON_DEPTH}"
         )
-    _check_consistency(manifest, where)
+    check_consistency(manifest, where)
     return manifest
 
 
@@ -294,95 +296,6 @@ def _decode(where: str, decode: Callable[[], _T]) -> _T:
         raise CorruptCheckpointError(f"{where}: invalid manifest ({exc})") from exc
     except Exception as exc:
         raise CorruptCheckpointError(f"{where}: not a checkpointd manifest ({exc})") from exc
-
-
-def _check_consistency(manifest: Manifest, where: str) -> None:
-    """Refuse a manifest whose names could escape the step folder or that contradicts itself."""
-    if manifest.step < 0:
-        raise CorruptCheckpointError(f"{where}: negative step {manifest.step}")
-    listed: set[str] = set()
-    for entry in manifest.files:
-        if not is_safe_file_name(entry.path) or entry.path == MANIFEST_NAME:
-            raise CorruptCheckpointError(f"{where}: unsafe file name {entry.path!r}")
-        if entry.size < 0 or not 0 <= entry.crc32c < 2**32:
-            raise CorruptCheckpointError(f"{where}: invalid size or digest for {entry.path!r}")
-        if entry.path in listed:
-            raise CorruptCheckpointError(f"{where}: file {entry.path!r} listed twice")
-        listed.add(entry.path)
-    for name, component in manifest.components.items():
-        if not is_component_name(name):
-            raise CorruptCheckpointError(f"{where}: unsafe component name {name!r}")
-        for path in (component.tree, *component.tensors):
-            if path not in listed:
-                raise CorruptCheckpointError(
-                    f"{where}: component {name!r} refers to unlisted file {path!r}"
-                )
-    for name, component in manifest.components.items():
-        for tensor, sharded in component.sharded.items():
-            if problem := shard_problem(sharded, listed):
-                raise CorruptCheckpointError(f"{where}: sharded tensor {name}/{tensor}: {problem}")
-    _check_blobs(manifest, where)
-    for name, keys in manifest.per_rank.items():
-        if len(keys) != manifest.world_size or not set(keys) <= set(manifest.components):
-            raise CorruptCheckpointError(f"{where}: per-rank component {name!r} is incomplete")
-
-
-def shard_problem(sharded: ShardedTensor, files: set[str] | None = None) -> str | None:
-    """What is wrong with a sharded tensor's entry, or None: each shard must lie inside the
-    global shape, list a file from ``files`` (when given) and a CRC32C per block, and the
-    shards must tile the tensor exactly (their volumes add up to it and no two overlap)."""
-    shape = sharded.shape
-    if any(d < 0 for d in shape):
-        return f"negative dimension in shape {shape}"
-    total = 0
-    for shard in sharded.shards:
-        box = list(zip(shard.offsets, shard.shape, strict=False))
-        if len(box) != len(shape) or len(shard.shape) != len(shape):
-            return f"shard at {shard.offsets} has another rank than shape {shape}"
-        if any(o < 0 or n < 0 or o + n > d for (o, n), d in zip(box, shape, strict=True)):
-            return f"shard at {shard.offsets} of shape {shard.shape} lies outside {shape}"
-        if files is not None and shard.file not in files:
-            return f"shard file {shard.file!r} is not listed"
-        if shard.block_bytes <= 0 or shard.begin < 0:
-            return f"shard at {shard.offsets}: invalid begin or block size"
-        total += math.prod(shard.shape)
-    if total != math.prod(shape):
-        return f"shards hold {total} elements, the tensor {math.prod(shape)}"
-    shards = sorted((s for s in sharded.shards if math.prod(s.shape)), key=lambda s: s.offsets)
-    for i, a in enumerate(shards):
-        for b in shards[i + 1 :]:
-            if shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
-                break  # sorted by the first offset: no later shard reaches back into a
-            if _overlap(a, b):
-                return f"shards at {a.offsets} and {b.offsets} overlap"
-    return None
-
-
-def _overlap(a: ShardEntry, b: ShardEntry) -> bool:
-    return all(
-        ao < bo + bn and bo < ao + an
-        for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
-    )
-
-
-def _check_blobs(manifest: Manifest, where: str) -> None:
-    """Refuse blob names that could escape ``blobs/``, duplicates, and refs to unlisted blobs."""
-    blobs: set[str] = set()
-    for blob in manifest.blobs:
-        if not is_blob_name(blob.name) or blob.size < 0:
-            raise CorruptCheckpointError(f"{where}: invalid blob entry {blob.name!r}")
-        if blob.name in blobs:
-            raise CorruptCheckpointError(f"{where}: blob {blob.name!r} listed twice")
-        blobs.add(blob.name)
-    if blobs and manifest.schema_version < 2:
-        raise CorruptCheckpointError(f"{where}: blobs in a schema_version 1 manifest")
-    for name, component in manifest.components.items():
-        for tensor, ref in component.refs.items():
-            if ref.blob not in blobs:
-                raise CorruptCheckpointError(
-                    f"{where}: component {name!r} tensor {tensor!r} refers to unlisted blob "
-                    f"{ref.blob!r}"
-                )
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):

@@ -6,7 +6,7 @@ rules make that safe against ``kill -9``:
 
 - ``delete_root`` deletes through the one deletion rule of retention.py: each
   checkpoint manifest first, then its files, then the shared blobs no
-  remaining manifest or pin needs (shared.py), then the rest, through the
+  remaining manifest or pin needs (blobs.py), then the rest, through the
   root's Store (local disk and S3 alike). A kill midway leaves at most folders
   without a manifest, which no reader lists or loads: never a torn checkpoint.
 - Before the deletion is even due, ``mark_removal`` publishes the intent at

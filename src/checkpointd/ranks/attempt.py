@@ -33,6 +33,7 @@ import msgspec
 
 from checkpointd import tunables
 from checkpointd.errors import CheckpointError, RankFailedError
+from checkpointd.ranks import values
 from checkpointd.ranks.group import Group, Liveness
 
 __all__ = [
@@ -101,7 +102,9 @@ class Attempt:
     @_lost_store
     def post(self, kind: str, value: Any) -> None:
         """Post this rank's ``kind`` (msgspec JSON)."""
-        self.group.store.set(self._key(f"{kind}/{self.group.rank}"), msgspec.json.encode(value))
+        values.put(
+            self.group.store, self._key(f"{kind}/{self.group.rank}"), msgspec.json.encode(value)
+        )
 
     def poll(self, kind: str, ranks: list[int]) -> dict[int, bytes]:
         """The values of ``kind`` that ``ranks`` posted so far."""
@@ -123,13 +126,13 @@ class Attempt:
     @_lost_store
     def set_once(self, name: str, value: bytes) -> bytes:
         """Set key ``name`` unless set; the value that holds."""
-        return bytes(self.group.store.compare_set(self._key(name), "", value))
+        return values.put(self.group.store, self._key(name), value, once=True)
 
     @_lost_store
     def read(self, name: str) -> bytes | None:
         """Key ``name``'s value, or None if it is not set."""
         key = self._key(name)
-        return bytes(self.group.store.get(key)) if self.group.store.check([key]) else None
+        return values.get(self.group.store, key) if self.group.store.check([key]) else None
 
     def raise_if_abandoned(self, outcome: bytes | None = None) -> None:
         """RankFailedError with the winner's reason if the attempt was abandoned."""

@@ -1,18 +1,22 @@
 """One commit from many ranks: every rank writes its share, one rank publishes.
 
 Runs on each rank's writer event loop; store calls and file I/O go to worker
-threads. The attempt's keys and its one outcome are rankattempt.py's:
+threads. The attempt's keys and its one outcome are attempt.py's:
 
 1. ``digest/{rank}``: each rank's digest of every component (CRC32C and size of
-   the files the plan makes of it). A rank that does not post one within
-   the writer's join_seconds while alive did not join the save (``if rank == 0: save()``).
-   Replicated components must agree on every rank; a mismatch abandons the save
-   naming the component and the ranks.
+   the files the plan makes of it). The publisher reads them all; a rank that
+   does not post one within the writer's join_seconds
+   while alive did not join the save
+   (``if rank == 0: save()``). Replicated components must agree on every rank; a
+   mismatch abandons the save naming the component and the ranks. Once they
+   agree the publisher posts ``joined/{publisher}``, which the others wait for
+   (on the publisher alone, so a rank's reads stay the same for any world size).
 2. The files are spread over the ranks by size; each rank streams and commits
    its own (the single-process commit protocol), then posts ``files/{rank}``.
-3. The publisher waits for every rank's files, posts the manifest, wins the
-   ``committed`` outcome, publishes and posts ``published``; the others wait
-   for the outcome, and for ``published`` (publishing the posted manifest
+3. The publisher waits for every rank's files, posts the manifest and its
+   ``summary`` (what a CheckpointInfo needs), wins the ``committed`` outcome,
+   publishes and posts ``published``; the others wait for the outcome, and for
+   ``published``, then read the summary (and the manifest only to publish it
    themselves if the publisher dies first).
 
 Whoever gives up (a failure, a dead, closed or absent rank) must win
@@ -35,13 +39,10 @@ from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import (
     CheckpointInfo,
-    ComponentEntry,
     FileEntry,
     Manifest,
-    ShardedTensor,
     decode_manifest,
     encode_manifest,
-    shard_problem,
 )
 from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.ranks.attempt import (
@@ -53,13 +54,13 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
+from checkpointd.ranks.merge import Share, Summary, merged_manifest, written_shards
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
 from checkpointd.write.commit import (
     clean_up,
     finish_commit,
     in_thread,
-    manifest_of,
     open_step,
     publish_manifest,
     write_files,
@@ -126,17 +127,6 @@ def _mismatch(posted: dict[int, dict[str, list[int]]]) -> str | None:
     return None
 
 
-class _Share(msgspec.Struct, frozen=True):
-    """What a rank posts once its files are durable: their entries, and the components
-    only it has (its per-rank ones) with the per-rank names they stand for."""
-
-    files: list[FileEntry]
-    components: dict[str, ComponentEntry]
-    per_rank: dict[str, str]
-    sharded: dict[str, dict[str, ShardedTensor]] = msgspec.field(default_factory=dict)
-    """Per replicated component, its sharded tensors with the shards this rank wrote."""
-
-
 async def commit_ranked(
     store: Store,
     plan: SavePlan,
@@ -157,16 +147,10 @@ async def commit_ranked(
     attempt = Attempt(group, plan.step, number)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
-    everyone = list(range(group.world_size))
     try:
         digests = await anyio.to_thread.run_sync(component_digests, plan)
         await anyio.to_thread.run_sync(attempt.post, "digest", digests)
-        posted = await gather(attempt, "digest", everyone, join=True)
-        why = _mismatch(
-            {r: msgspec.json.decode(v, type=dict[str, list[int]]) for r, v in posted.items()},
-        )
-        if why is not None:
-            attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.give_up, why))
+        await _join(attempt)
         await _write_share(
             store,
             plan,
@@ -179,7 +163,7 @@ async def commit_ranked(
         if group.publishes:
             manifest = await _publish(store, plan, limiter, attempt, identity=identity)
         else:
-            manifest = await _follow(store, limiter, attempt)
+            return await _follow(store, plan, limiter, attempt)
     except BaseException as exc:
         leaf = first_leaf(exc)
         with anyio.CancelScope(shield=True):
@@ -192,9 +176,25 @@ async def commit_ranked(
         if isinstance(exc, Exception) and leaf is not exc:
             raise leaf from None
         raise
-    if group.publishes:
-        return await finish_commit(store, manifest, limiter, identity=identity)
-    return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
+    return await finish_commit(store, manifest, limiter, identity=identity)
+
+
+async def _join(attempt: Attempt) -> None:
+    """The publisher waits for every rank's digests, compares them and posts ``joined``;
+    the others wait for that (RankFailedError once the attempt is abandoned)."""
+    group = attempt.group
+    if not group.publishes:
+        # The publisher's own digest says it joined; whether the others did is its call.
+        await gather(attempt, "digest", [group.publisher], join=True)
+        await gather(attempt, "joined", [group.publisher], join=False)
+        return
+    posted = await gather(attempt, "digest", list(range(group.world_size)), join=True)
+    why = _mismatch(
+        {r: msgspec.json.decode(v, type=dict[str, list[int]]) for r, v in posted.items()},
+    )
+    if why is not None:
+        attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.give_up, why))
+    await anyio.to_thread.run_sync(attempt.post, "joined", 1)
 
 
 async def _may_remove(attempt: Attempt, error: BaseException) -> bool:
@@ -240,41 +240,9 @@ async def _write_share(
         chunk_bytes=chunk_bytes,
     )
     own = {key: plan.components[key] for key in plan.per_rank}
-    sharded = {
-        name: entry.sharded
-        for name, entry in plan.components.items()
-        if entry.sharded and name not in plan.per_rank
-    }
-    share = _Share(committed, own, plan.per_rank, sharded)
+    sharded = written_shards(plan.components, plan.per_rank)
+    share = Share(committed, own, plan.per_rank, sharded)
     await anyio.to_thread.run_sync(attempt.post, "files", share)
-
-
-def _merge_shards(
-    step: int, name: str, entry: ComponentEntry, shares: list[_Share]
-) -> ComponentEntry:
-    """``entry`` with the shards every rank wrote of its sharded tensors; raises
-    RankFailedError unless they tile each tensor exactly (ranks that disagree on a
-    DTensor's shape or placements)."""
-    if not entry.sharded:
-        return entry
-    merged: dict[str, ShardedTensor] = {}
-    for tensor, mine in entry.sharded.items():
-        shards = []
-        for share in shares:
-            theirs = share.sharded.get(name, {}).get(tensor)
-            if theirs is None or (theirs.dtype, theirs.shape) != (mine.dtype, mine.shape):
-                raise RankFailedError(
-                    f"the save of step {step} failed: ranks disagree on DTensor "
-                    f"{name}/{tensor} (its dtype and global shape must be the same on every rank)"
-                )
-            shards += theirs.shards
-        merged[tensor] = ShardedTensor(mine.dtype, mine.shape, shards)
-        if problem := shard_problem(merged[tensor]):
-            raise RankFailedError(
-                f"the save of step {step} failed: the shards of DTensor {name}/{tensor} do not "
-                f"tile it ({problem}); every rank must save the same DTensors"
-            )
-    return msgspec.structs.replace(entry, sharded=merged)
 
 
 async def _publish(
@@ -290,9 +258,11 @@ async def _publish(
     was abandoned first (nothing published); the publish's error after posting it."""
     group = attempt.group
     posted = await gather(attempt, "files", list(range(group.world_size)), join=False)
-    shares = [msgspec.json.decode(posted[r], type=_Share) for r in sorted(posted)]
-    manifest = _merged_manifest(plan, group.world_size, shares, identity)
+    shares = [msgspec.json.decode(posted[r], type=Share) for r in sorted(posted)]
+    manifest = merged_manifest(plan, group.world_size, shares, identity)
     await anyio.to_thread.run_sync(attempt.set_once, "manifest", encode_manifest(manifest))
+    summary = msgspec.json.encode(Summary.of(manifest))
+    await anyio.to_thread.run_sync(attempt.set_once, "summary", summary)
     attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.decide, COMMITTED))
     try:
         await _publish_once(store, manifest, limiter)
@@ -305,29 +275,37 @@ async def _publish(
     return manifest
 
 
-async def _follow(store: Store, limiter: anyio.CapacityLimiter, attempt: Attempt) -> Manifest:
+async def _follow(
+    store: Store, plan: SavePlan, limiter: anyio.CapacityLimiter, attempt: Attempt
+) -> CheckpointInfo:
     """A rank that does not publish: wait for the outcome, then for ``published``; if the
     publisher dies in between, publish the posted manifest in its place. Returns the
-    manifest; RankFailedError if the attempt was abandoned or its publish failed."""
+    CheckpointInfo (from the publisher's summary: the manifest, as large as the job, is
+    read only to stand in); RankFailedError if the attempt was abandoned or its publish
+    failed."""
     publisher = [attempt.group.publisher]
     outcome = await wait_for(attempt, attempt.outcome, publisher)
     attempt.raise_if_abandoned(outcome)
-    posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
-    assert posted is not None  # posted before committed was proposed
-    manifest = decode_manifest(posted, where=f"the posted manifest of step {attempt.step}")
     published = await wait_for(
         attempt, functools.partial(attempt.read, "published"), publisher, give_up=False
     )
     if published is None:  # the publisher died after the commit was decided
+        posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
+        assert posted is not None  # posted before committed was proposed
+        manifest = decode_manifest(posted, where=f"the posted manifest of step {attempt.step}")
         await _publish_once(store, manifest, limiter)
         await _settle(store, limiter, attempt, manifest)
-    elif published.startswith(FAILED):
+        return CheckpointInfo.from_manifest(manifest, step_path(store, plan.step))
+    if published.startswith(FAILED):
         why = published[len(FAILED) :].decode(errors="replace")
         raise RankFailedError(
             f"the save of step {attempt.step} failed: rank {attempt.group.publisher} could "
             f"not publish its manifest ({why})"
         )
-    return manifest
+    posted = await anyio.to_thread.run_sync(attempt.read, "summary")
+    assert posted is not None  # posted before committed was proposed
+    summary = msgspec.json.decode(posted, type=Summary)
+    return summary.at(step_path(store, plan.step), attempt.group.world_size)
 
 
 async def _publish_once(store: Store, manifest: Manifest, limiter: anyio.CapacityLimiter) -> None:
@@ -354,29 +332,3 @@ async def _settle(
             f"the save of step {attempt.step} failed: its publish failed on another rank "
             f"({held[len(FAILED) :].decode(errors='replace')})"
         )
-
-
-def _merged_manifest(
-    plan: SavePlan, world_size: int, shares: list[_Share], identity: WriterIdentity | None
-) -> Manifest:
-    """The one manifest of a many-rank save: every rank's files and per-rank components,
-    sharded tensors merged (RankFailedError unless their shards tile them)."""
-    files = [entry for share in shares for entry in share.files]
-    components = {
-        name: _merge_shards(plan.step, name, entry, shares)
-        for name, entry in plan.components.items()
-        if name not in plan.per_rank
-    }
-    per_rank: dict[str, list[str]] = {}
-    for share in shares:
-        components.update(share.components)
-        for key, name in share.per_rank.items():
-            per_rank.setdefault(name, []).append(key)
-    return manifest_of(
-        plan,
-        files,
-        identity=identity,
-        components=components,
-        world_size=world_size,
-        per_rank=per_rank,
-    )

@@ -164,7 +164,7 @@ def apply_prepared(prepared: Prepared) -> None:
         check_fits(name, targets[name], planned[name].tree, targets)
     backups = {
         name: inplace.backup(targets[name], planned[name])
-        if planned[name].landings
+        if planned[name].lands()
         else _backup(targets[name])
         for name in names
     }
@@ -192,7 +192,7 @@ def apply_prepared(prepared: Prepared) -> None:
     landed: list[str] = []
     try:
         for name in names:
-            if planned[name].landings:
+            if planned[name].lands():
                 landed.append(name)
                 inplace.land(prepared.where, planned[name])
     except BaseException as exc:

@@ -4,7 +4,7 @@ box at a time, placed like the restore's DTensor templates. Reading thread."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpointd.errors import CorruptCheckpointError
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from checkpointd.state.shards import Box
 
-__all__ = ["ComponentTensors", "TensorSource"]
+__all__ = ["ComponentTensors", "Take", "TensorSource"]
 
 
 class TensorSource(Protocol):
@@ -32,9 +32,15 @@ class TensorSource(Protocol):
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
 
 
+Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
+"""(tensor name, its live DTensor template, the stored sharded tensor) -> the tensor to
+hand the decoder instead of reading this rank's part into fresh memory, or None."""
+
+
 class ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
-    plain tensor files all at once on first use, sharded tensors one by one."""
+    plain tensor files all at once on first use, sharded tensors one by one. ``take``:
+    asked first for each sharded tensor with a template (restore's DTensor path)."""
 
     def __init__(
         self,
@@ -42,11 +48,13 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         entry: ComponentEntry,
         templates: Mapping[str, Any],
         preloaded: Mapping[str, Mapping[str, torch.Tensor]],
+        take: Take | None = None,
     ):
         self.reader = reader
         self.entry = entry
         self.templates = templates
         self.preloaded = preloaded
+        self.take = take
         self._plain: dict[str, torch.Tensor] | None = None
 
     def plain(self) -> dict[str, torch.Tensor]:
@@ -76,6 +84,10 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
             return self.reader.region(
                 name, sharded, ((0,) * len(sharded.shape), tuple(sharded.shape))
             )
+        if sharded is not None and self.take is not None:
+            taken = self.take(name, template, sharded)
+            if taken is not None:
+                return taken
         plain = None if sharded is not None else self.plain()[name]
         placed: torch.Tensor = as_template(name, template, plain, sharded, self.reader.region)
         return placed

@@ -20,12 +20,13 @@ from checkpointd.storage import Store
 __all__ = ["describe"]
 
 
-def _itemsize(dtype: str) -> int:
-    """Bytes per element of a stored dtype name (0 if unknown)."""
-    import torch
+def _dtype(text: str) -> tuple[str, int]:
+    """A stored dtype (either spelling) as shown, a torch name, and its bytes per element;
+    an unknown one as stored, with 0."""
+    from checkpointd.format.dtypes import decode_dtype, encode_dtype
 
-    found = getattr(torch, dtype, None)
-    return found.itemsize if isinstance(found, torch.dtype) else 0
+    dtype = decode_dtype(text)
+    return (text, 0) if dtype is None else (encode_dtype(dtype, "name"), dtype.itemsize)
 
 
 def describe(store: Store, step: int | None = None) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
     Unlike ``load``, a newest manifest that is damaged raises here instead of being
     skipped: this is the tool that should show it.
     """
-    from checkpointd.format.header import DTYPES_BY_CODE
+    from checkpointd.format.dtypes import encode_dtype
 
     found, manifest = catalog.resolve(store, step, on_damaged=catalog.raise_damaged)
     reader = StepReader(store, found, manifest)
@@ -46,7 +47,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
             tensors.extend(
                 {
                     "name": e.name,
-                    "dtype": str(e.dtype).removeprefix("torch."),
+                    "dtype": encode_dtype(e.dtype, "name"),
                     "shape": list(e.shape),
                     "nbytes": e.end - e.begin,
                     "file": tensor_file,
@@ -56,12 +57,13 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         rank_of = {f.path: f.rank for f in manifest.files}
         for tensor, sharded in entry.sharded.items():
             elements = sum(math.prod(s.shape) for s in sharded.shards)
+            shown, itemsize = _dtype(sharded.dtype)
             tensors.append(
                 {
                     "name": tensor,
-                    "dtype": sharded.dtype,
+                    "dtype": shown,
                     "shape": list(sharded.shape),
-                    "nbytes": elements * _itemsize(sharded.dtype),
+                    "nbytes": elements * itemsize,
                     "shards": [
                         {
                             "file": s.file,
@@ -76,9 +78,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
         tensors.extend(
             {
                 "name": tensor,
-                "dtype": str(DTYPES_BY_CODE[ref.dtype]).removeprefix("torch.")
-                if ref.dtype in DTYPES_BY_CODE
-                else ref.dtype,
+                "dtype": _dtype(ref.dtype)[0],
                 "shape": list(ref.shape),
                 "nbytes": blobs[ref.blob].size,
                 "file": blob_path(ref.blob),

@@ -1,5 +1,7 @@
-"""Restore straight into live memory: which stored tensors land in a target's own tensors,
-the check pass through a small buffer, and the landing pass.
+"""Restore straight into live memory: which stored tensors land in a target's own tensors
+(targets.py says which targets qualify), the plan, the backup and the landing order;
+landing.py does the two passes over each file, boxes.py the same per shard block for
+targets holding DTensors (each rank's boxes land in its local shards).
 
 ``restore`` (restore.py) reads a component through ``read_for_restore``. For a target
 whose ``load_state_dict`` is known to either copy each tensor into its own memory
@@ -40,119 +42,51 @@ Blocking; the caller's thread (it starts one helper thread per file while stream
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from checkpointd import tunables
-from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
-from checkpointd.format.checksum import crc32c_stream
+from checkpointd.errors import StorageNotFoundError
 from checkpointd.format.codec import decode_tree
 from checkpointd.format.header import TensorEntry
+from checkpointd.read.boxes import Boxes
+from checkpointd.read.landing import Landing, check_pass, land_file
 from checkpointd.read.reader import StepReader
+from checkpointd.read.targets import dtensor_lands_in_place, lands_in_place
+from checkpointd.state.shards import is_dtensor
 from checkpointd.state.stateful import component_state, unwrap
 from checkpointd.state.tree import alias_key, map_tree, walk
 from checkpointd.storage.base import PinnedFile
 
 __all__ = ["Planned", "backup", "land", "lands_in_place", "read_for_restore", "release"]
 
-_ALIGN = 64
-"""Alignment of each tensor copied out into fresh memory during the check pass."""
-
-
-_MODULE_HOOKS = (
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-)
-"""The dicts in which torch keeps a module's state-dict hooks (private: torch has no public
-way to ask whether one is registered), read by name as the optimizer's below."""
-
-
-def _from_torch(method: Any) -> bool:
-    return str(getattr(method, "__module__", "")).startswith("torch.")
-
-
-def _plain_module(module: torch.nn.Module) -> bool:
-    """No hooks, no extra state, and torch's own state-dict methods in every submodule:
-    then ``load_state_dict`` copies each stored tensor into the live one, nothing else."""
-    for sub in module.modules():
-        kind = type(sub)
-        if (
-            any(getattr(sub, hooks) for hooks in _MODULE_HOOKS)
-            or kind.get_extra_state is not torch.nn.Module.get_extra_state
-            or not all(
-                _from_torch(getattr(kind, attr))
-                for attr in ("_load_from_state_dict", "_save_to_state_dict", "state_dict")
-            )
-        ):
-            return False
-    return type(module).load_state_dict is torch.nn.Module.load_state_dict
-
-
-def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's own ``state_dict``/``load_state_dict`` and no hooks on them."""
-    kind = type(optimizer)
-    hooks = (
-        "_optimizer_load_state_dict_pre_hooks",
-        "_optimizer_load_state_dict_post_hooks",
-        "_optimizer_state_dict_pre_hooks",
-        "_optimizer_state_dict_post_hooks",
-    )
-    return (
-        kind.load_state_dict is torch.optim.Optimizer.load_state_dict
-        and kind.state_dict is torch.optim.Optimizer.state_dict
-        and not any(getattr(optimizer, hook, None) for hook in hooks)
-    )
-
-
-def lands_in_place(target: Any) -> str | None:
-    """How ``load_component`` treats ``target``'s tensors, where that is known: "copy"
-    (copies stored tensors into its own: a plain module, a tensor), "adopt" (keeps the
-    stored tensors as they are: a plain torch optimizer, a dict), else None."""
-    live = unwrap(target)
-    if isinstance(live, torch.nn.Module):
-        return "copy" if _plain_module(live) else None
-    if isinstance(live, torch.optim.Optimizer):
-        return "adopt" if _plain_optimizer(live) else None
-    if type(live) in (torch.Tensor, torch.nn.Parameter):
-        return "copy"
-    if type(live) is dict:
-        return "adopt"
-    return None
-
-
-@dataclass
-class _Landing:
-    """One tensor file some of whose tensors land straight in live tensors."""
-
-    file: str
-    start: int
-    entries: list[TensorEntry]
-    direct: dict[str, torch.Tensor]
-    crc32c: int
-    header: bytes = b""
-    kept: list[memoryview] = field(default_factory=list)
-    """Byte views of the tensors that do not land directly, in file order."""
-    pinned: PinnedFile | None = None
-    source: torch.Tensor | None = None
-
 
 @dataclass
 class Planned:
     """A component read for restore: its tree (direct tensors are the live ones) and
-    what is left to land. ``how`` is ``lands_in_place``'s answer, None for the plain path."""
+    what is left to land: tensor files' ``landings``, DTensor ``boxes``. ``how`` is
+    ``lands_in_place``'s answer, None for the plain path."""
 
     tree: Any
     how: str | None = None
-    landings: list[_Landing] = field(default_factory=list)
+    landings: list[Landing] = field(default_factory=list)
+    boxes: Boxes | None = None
+
+    def lands(self) -> bool:
+        """Whether anything lands straight in the target's tensors after the load."""
+        return bool(self.landings) or self.boxes is not None
 
     def direct_keys(self) -> set[tuple[Any, ...]]:
-        return {alias_key(t) for landing in self.landings for t in landing.direct.values()}
+        keys = {alias_key(t) for landing in self.landings for t in landing.direct.values()}
+        return keys | (self.boxes.keys() if self.boxes is not None else set())
+
+
+def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """``alias_key`` of a tensor, of its local shard for a DTensor."""
+    return alias_key(tensor.to_local() if is_dtensor(tensor) else tensor)  # type: ignore[attr-defined]
 
 
 class _Probe(Mapping[str, torch.Tensor]):
@@ -196,12 +130,6 @@ def _fits(live: torch.Tensor, entry: TensorEntry) -> bool:
         and not live.is_neg()
         and live.numel() * live.element_size() == entry.end - entry.begin
     )
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory."""
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return flat.numpy().data.cast("B")
 
 
 def _direct(
@@ -252,8 +180,10 @@ def read_for_restore(
     the target's own tensors in the returned tree, still holding their old values, and
     are left to ``land``; ``release`` the result when done (it may hold open files)."""
     entry = reader.manifest.components[name]
-    how = None if templates else lands_in_place(target)
     tree_bytes = reader.tree(entry)
+    if templates:
+        return _plan_dtensors(reader, name, target, templates, tree_bytes)
+    how = lands_in_place(target)
     if how is None or not entry.tensors:
         return Planned(reader.component(name, entry, templates, tree=tree_bytes))
     opened: dict[str, tuple[PinnedFile | None, torch.Tensor | None]] = {}
@@ -264,6 +194,31 @@ def read_for_restore(
         for pinned, _ in opened.values():
             if pinned is not None:
                 pinned.close()  # those not handed to a landing
+
+
+def _plan_dtensors(
+    reader: StepReader, name: str, target: Any, templates: Mapping[str, Any], tree_bytes: bytes
+) -> Planned:
+    """``read_for_restore`` for a target holding DTensors: its direct boxes (boxes.py)
+    checked while the tree is decoded; read the usual way if the tree does not hold each
+    live DTensor once at its own path."""
+    entry = reader.manifest.components[name]
+    how = dtensor_lands_in_place(target)
+    if how is None or not entry.sharded:
+        return Planned(reader.component(name, entry, templates, tree=tree_bytes))
+    boxes = Boxes(reader)
+    try:
+        tree = reader.component(name, entry, templates, tree=tree_bytes, take=boxes.take)
+        if boxes.boxes and boxes.at_own_paths(tree):
+            boxes.check()
+            return Planned(tree, how, boxes=boxes)
+    except BaseException:
+        boxes.close()
+        raise
+    boxes.close()
+    if not boxes.boxes:
+        return Planned(tree)
+    return Planned(reader.component(name, entry, templates, tree=tree_bytes))
 
 
 def _open(
@@ -320,97 +275,21 @@ def _plan(  # noqa: PLR0917 - the one caller passes what it already has
     if not direct:
         tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
         return Planned(tree)
-    landings: list[_Landing] = []
+    landings: list[Landing] = []
     try:
         for file, (start, entries) in layouts.items():
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
-                landing = _Landing(file, start, ordered, mine, reader.files[file].crc32c)
+                landing = Landing(file, start, ordered, mine, reader.files[file].crc32c)
                 landing.pinned, landing.source = opened.pop(file)
                 landings.append(landing)
-                preloaded[file] = {**_check_pass(reader, landing), **mine}
+                preloaded[file] = {**check_pass(reader, landing), **mine}
         tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)
     except BaseException:
         release([Planned(None, how, landings)])
         raise
     return Planned(tree, how, landings)
-
-
-def _reader(reader: StepReader, landing: _Landing) -> Callable[[memoryview, int], None]:
-    pinned = landing.pinned
-    assert pinned is not None
-
-    def read(view: memoryview, offset: int) -> None:
-        try:
-            pinned.read_into(view, offset)
-        except StorageNotFoundError:
-            raise reader.vanished(landing.file) from None
-
-    return read
-
-
-def _check_pass(reader: StepReader, landing: _Landing) -> dict[str, torch.Tensor]:
-    """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
-    copying its header and its non-direct tensors out on the way; those tensors by name.
-    Where the store could not pin the file it was read whole (kept until landing)."""
-    size = reader.files[landing.file].size
-    others = [e for e in landing.entries if e.name not in landing.direct]
-    pinned, source = landing.pinned, landing.source
-    if pinned is None:
-        assert source is not None  # read whole (and checked) by _open
-        landing.header = bytes(source[: landing.start].numpy())
-        kept: dict[str, torch.Tensor] = {}
-        for e in others:
-            piece = source[landing.start + e.begin : landing.start + e.end]
-            if (landing.start + e.begin) % e.dtype.itemsize:
-                piece = piece.clone()
-            kept[e.name] = piece.view(e.dtype).view(e.shape)
-        return kept
-    offsets: list[int] = []
-    total = 0
-    for e in others:
-        offsets.append(total)
-        total += -(-(e.end - e.begin) // _ALIGN) * _ALIGN
-    memory = torch.empty(total, dtype=torch.uint8)
-    out = memory.numpy().data.cast("B") if total else memoryview(b"")
-    # (file begin, file end, destination) of what is copied out of each chunk, in order.
-    copies: list[tuple[int, int, int | None]] = [(0, landing.start, None)] + [
-        (landing.start + e.begin, landing.start + e.end, at)
-        for e, at in zip(others, offsets, strict=True)
-    ]
-    header = bytearray(landing.start)
-    chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
-    buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
-    spans: list[tuple[memoryview, int | None]] = [
-        (buffers[i % 2][: min(chunk, size - offset)], offset)
-        for i, offset in enumerate(range(0, size, chunk))
-    ]
-    cursor = 0
-
-    def extract(i: int, view: memoryview) -> None:
-        nonlocal cursor
-        lo, hi = i * chunk, i * chunk + len(view)
-        while cursor < len(copies) and copies[cursor][1] <= lo:
-            cursor += 1
-        j = cursor
-        while j < len(copies) and copies[j][0] < hi:
-            begin, end, at = copies[j]
-            a, b = max(begin, lo), min(end, hi)
-            if a < b:
-                if at is None:
-                    header[a:b] = view[a - lo : b - lo]
-                else:
-                    out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
-            j += 1
-
-    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
-    landing.header = bytes(header)
-    landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
-    return {
-        e.name: memory[at : at + e.end - e.begin].view(e.dtype).view(e.shape)
-        for e, at in zip(others, offsets, strict=True)
-    }
 
 
 def backup(target: Any, planned: Planned) -> Any:
@@ -421,7 +300,7 @@ def backup(target: Any, planned: Planned) -> Any:
     adopt = planned.how == "adopt"
 
     def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        if adopt or alias_key(tensor) in keep:
+        if adopt or _key(tensor) in keep:
             return tensor
         return tensor.detach().to("cpu", copy=True)
 
@@ -434,10 +313,10 @@ def backup(target: Any, planned: Planned) -> Any:
 def still_held(target: Any, planned: Planned) -> bool:
     """After the load: whether ``target`` still holds every direct tensor (so landing its
     bytes restores it). A safety net: true for every kind ``lands_in_place`` accepts."""
-    if not planned.landings:
+    if not planned.lands():
         return True
     held = {
-        alias_key(leaf)
+        _key(leaf)
         for _, leaf in walk(component_state(target, "check"))
         if isinstance(leaf, torch.Tensor)
     }
@@ -449,43 +328,13 @@ def land(where: str, planned: Planned) -> None:
     CRC32C again over what landed (``where``: the step, for messages);
     CorruptCheckpointError if it differs (the file changed since the check pass)."""
     for landing in planned.landings:
-        _land_one(where, landing)
+        land_file(where, landing)
         for live in landing.direct.values():
             # As an in-place copy would: autograd then refuses a backward through a
             # graph that saved the old values, instead of using the new ones silently.
             torch.autograd.graph.increment_version(live)
-
-
-def _land_one(where: str, landing: _Landing) -> None:
-    """``land`` for one file."""
-    source = landing.source
-    if source is not None:  # read whole and checked in the check pass
-        for e in landing.entries:
-            live = landing.direct.get(e.name)
-            if live is not None:
-                flat = live.detach().reshape(-1).view(torch.uint8)
-                flat.copy_(source[landing.start + e.begin : landing.start + e.end])
-        return
-    pinned = landing.pinned
-    assert pinned is not None
-    spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
-    kept = iter(landing.kept)
-    for e in landing.entries:
-        live = landing.direct.get(e.name)
-        if live is None:
-            spans.append((next(kept), None))
-            continue
-        view = _bytes_of(live)
-        for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
-            part = view[at : at + tunables.READ_CHUNK_BYTES]
-            spans.append((part, landing.start + e.begin + at))
-    digest = crc32c_stream(spans, pinned.read_into)
-    if digest != landing.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
-            f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
-            "file changed while it was being restored)"
-        )
+    if planned.boxes is not None:
+        planned.boxes.land(where)
 
 
 def release(planned: list[Planned]) -> None:
@@ -497,3 +346,5 @@ def release(planned: list[Planned]) -> None:
                 pinned.close()
             landing.source = None
             landing.kept = []
+        if item.boxes is not None:
+            item.boxes.close()

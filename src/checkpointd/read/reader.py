@@ -11,8 +11,8 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from checkpointd import tunables
 from checkpointd.errors import (
@@ -34,7 +34,7 @@ from checkpointd.format.manifest import (
     step_dirname,
 )
 from checkpointd.read import catalog
-from checkpointd.read.component_tensors import ComponentTensors
+from checkpointd.read.component_tensors import ComponentTensors, Take
 from checkpointd.read.hostmem import read_checked
 from checkpointd.storage import Store
 
@@ -44,7 +44,20 @@ if TYPE_CHECKING:
     from checkpointd.format.header import TensorEntry
     from checkpointd.state.shards import Box
 
-__all__ = ["StepReader"]
+__all__ = ["ShardSpan", "StepReader"]
+
+
+class ShardSpan(NamedTuple):
+    """Where a box lies in one shard: the shard's element strides, the first and last
+    element of the box (row-major in the shard), the blocks [lo, hi) holding them and
+    the shard's size in bytes."""
+
+    strides: tuple[int, ...]
+    first: int
+    last: int
+    lo: int
+    hi: int
+    total: int
 
 
 class StepReader:
@@ -59,7 +72,7 @@ class StepReader:
         self.files: dict[str, FileEntry] = {f.path: f for f in manifest.files}
         self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
-        self._sized: set[str] = set()  # shard files whose size was checked
+        self._sized: set[str] = set()  # files whose size was checked
 
     def _size(self, name: str) -> int:
         """The file's size after checking it against the manifest (missing: ``_vanished``)."""
@@ -96,7 +109,7 @@ class StepReader:
         from checkpointd.read.hostmem import prefault
 
         path = f"{self.folder}/{name}"
-        size = self._size(name)
+        size = self.files[name].size
         # Read, never mapped, even where the store could (capabilities.memory_map): a
         # tensor over a map pins a deleted checkpoint's disk space for as long as an
         # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS.
@@ -107,18 +120,36 @@ class StepReader:
             pinned = self.store.open_pinned(path) if large else None
             if pinned is not None:
                 try:
+                    self._size(name)
                     self._check_digest(name, read_checked(pinned, data))
                 finally:
                     pinned.close()
                 return data
             view = data.numpy().data.cast("B")
             prefault(data.data_ptr(), size)
-            self.store.read_into(path, view)
+            self._read_sized(name, view)
         except StorageNotFoundError:
             raise self._vanished(name) from None
         if self.verify:
             self._check_digest(name, crc32c(view))
         return data
+
+    def _read_sized(self, name: str, view: memoryview, offset: int = 0) -> None:
+        """Fill ``view`` from ``offset`` of listed file ``name``, checking its size against
+        the manifest on the way (one request on an object store: no separate HEAD)."""
+        size = self.store.read_into_sized(f"{self.folder}/{name}", view, offset)
+        if size != self.files[name].size:
+            raise CorruptCheckpointError(
+                f"{self.where}/{name}: size {size} does not match the manifest's "
+                f"{self.files[name].size}"
+            )
+        self._sized.add(name)
+
+    def check_size(self, name: str) -> None:
+        """Check listed file ``name``'s size against the manifest, once per reader."""
+        if name not in self._sized:
+            self._size(name)
+            self._sized.add(name)
 
     def _check_digest(self, name: str, actual: int) -> None:
         expected = self.files[name].crc32c
@@ -192,6 +223,7 @@ class StepReader:
         *,
         tree: bytes | None = None,
         preloaded: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        take: Take | None = None,
     ) -> Any:
         """The state tree of component ``name``, its tensors read and checked.
 
@@ -201,11 +233,12 @@ class StepReader:
         ``tree``: the component's tree file, already read and checked (else read here).
         ``preloaded[file]``: the tensors of a tensor file the caller already read and
         checked (restore's in-place path), used instead of reading that file.
+        ``take``: see ``ComponentTensors`` (restore's DTensor path).
         """
         from checkpointd.format.codec import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = ComponentTensors(self, entry, templates or {}, preloaded or {})
+        tensors = ComponentTensors(self, entry, templates or {}, preloaded or {}, take)
         if tree is None:
             tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
@@ -219,10 +252,14 @@ class StepReader:
         overlap it: whole blocks of each, each block checked against its CRC32C."""
         import torch
 
-        from checkpointd.format.codec import dtype_by_name
+        from checkpointd.format.dtypes import decode_dtype
         from checkpointd.state.shards import intersect
 
-        dtype = dtype_by_name(sharded.dtype, f"{self.where}: tensor {name!r}")
+        dtype = decode_dtype(sharded.dtype)
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor {name!r}: unknown dtype {sharded.dtype!r}"
+            )
         parts = [
             (shard, part)
             for shard in sharded.shards
@@ -230,20 +267,19 @@ class StepReader:
             and 0 not in part[1]
         ]
         if len(parts) == 1 and parts[0][1] == box:
-            return self._shard_part(parts[0][0], dtype, box)  # one shard holds it: no copy
+            return self.shard_part(parts[0][0], dtype, box)  # one shard holds it: no copy
         out = torch.empty(box[1], dtype=dtype)
         for shard, part in parts:
             where = tuple(
                 slice(o - b, o - b + n) for o, n, b in zip(part[0], part[1], box[0], strict=True)
             )
-            out[where] = self._shard_part(shard, dtype, part)
+            out[where] = self.shard_part(shard, dtype, part)
         return out
 
-    def _shard_part(self, shard: ShardEntry, dtype: torch.dtype, part: Box) -> torch.Tensor:
-        """The elements of ``part`` (global coordinates, inside ``shard``) as a strided view
-        of the whole blocks of the shard that hold them, after checking those blocks."""
-        import torch
-
+    def shard_blocks(self, shard: ShardEntry, dtype: torch.dtype, part: Box) -> ShardSpan:
+        """Where ``part`` (global coordinates, inside ``shard``) lies in the shard's bytes,
+        after a check that the manifest lists a digest for every block (else
+        CorruptCheckpointError)."""
         strides = [1] * len(shard.shape)
         for d in range(len(shard.shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shard.shape[d + 1]
@@ -258,43 +294,70 @@ class StepReader:
             raise CorruptCheckpointError(
                 f"{self.where}/{shard.file}: the shard at {shard.offsets} has too few block digests"
             )
-        begin, end = lo * block, min(hi * block, total)
-        if shard.file not in self._sized:
-            self._size(shard.file)
-            self._sized.add(shard.file)
+        return ShardSpan(tuple(strides), first, last, lo, hi, total)
+
+    def check_block(self, shard: ShardEntry, index: int, actual: int) -> None:
+        """CorruptCheckpointError unless ``actual`` is block ``index``'s CRC32C."""
+        if actual != shard.crc32c[index]:
+            raise CorruptCheckpointError(
+                f"{self.where}/{shard.file}: block {index} of the shard at "
+                f"{shard.offsets} has CRC32C {actual:08x}, the manifest "
+                f"{shard.crc32c[index]:08x}"
+            )
+
+    def shard_part(
+        self,
+        shard: ShardEntry,
+        dtype: torch.dtype,
+        part: Box,
+        read: Callable[[memoryview, int], None] | None = None,
+    ) -> torch.Tensor:
+        """As ``region`` for one shard's ``part``: a strided view of fresh memory holding
+        the whole blocks of the shard that overlap it, each checked (with ``verify``).
+        ``read(view, offset)``: how to read the shard file (default: by path, checking
+        its size on the first read of each file; a caller passing ``read`` checks it)."""
+        import torch
+
+        span = self.shard_blocks(shard, dtype, part)
+        block = shard.block_bytes
+        begin, end = span.lo * block, min(span.hi * block, span.total)
         data = torch.empty(end - begin, dtype=torch.uint8)
         view = data.numpy().data.cast("B")
+        path = f"{self.folder}/{shard.file}"
         try:
-            self.store.read_into(f"{self.folder}/{shard.file}", view, shard.begin + begin)
+            if read is None and shard.file not in self._sized:
+                self._read_sized(shard.file, view, shard.begin + begin)
+            elif read is None:
+                self.store.read_into(path, view, shard.begin + begin)
+            else:
+                read(view, shard.begin + begin)
         except StorageNotFoundError:
             raise self._vanished(shard.file) from None
         if self.verify:
-            for index in range(lo, hi):
+            for index in range(span.lo, span.hi):
                 at = index * block - begin
-                actual = crc32c(view[at : at + block])
-                if actual != shard.crc32c[index]:
-                    raise CorruptCheckpointError(
-                        f"{self.where}/{shard.file}: block {index} of the shard at "
-                        f"{shard.offsets} has CRC32C {actual:08x}, the manifest "
-                        f"{shard.crc32c[index]:08x}"
-                    )
+                self.check_block(shard, index, crc32c(view[at : at + block]))
         flat = data.view(dtype)
-        offset = flat.storage_offset() + first - begin // size
-        return flat.as_strided(part[1], strides, offset)
+        offset = flat.storage_offset() + span.first - begin // dtype.itemsize
+        return flat.as_strided(part[1], span.strides, offset)
 
-    def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor:
-        """Tensor ``tensor`` stored as shared blob ``blob`` (dtype ``code``, ``shape``), after
-        the size and (with ``verify``) digest checks: the name is the XXH3-128 of the bytes. A missing blob is damage to this
-        checkpoint (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
+    def blob_tensor(
+        self, blob: str, dtype_text: str, shape: list[int], tensor: str
+    ) -> torch.Tensor:
+        """Tensor ``tensor`` stored as shared blob ``blob`` (``dtype_text`` in either spelling,
+        ``shape``), after the size and (with ``verify``) digest checks: the name is the
+        XXH3-128 of the bytes. A missing blob is damage to this checkpoint
+        (CheckpointNotFoundError if the checkpoint itself was deleted meanwhile)."""
         import math
 
         import torch
 
-        from checkpointd.format.header import DTYPES_BY_CODE, shape_fits
+        from checkpointd.format.dtypes import decode_dtype
+        from checkpointd.format.header import shape_fits
 
         entry = self.blobs[blob]
         at = f"{self.store.url.rstrip('/')}/{blob_path(blob)}"
-        dtype = DTYPES_BY_CODE.get(code)
+        dtype = decode_dtype(dtype_text)
         if dtype is None or not shape_fits(shape):
             raise CorruptCheckpointError(f"{self.where}: bad dtype or shape for {tensor!r}")
         if math.prod(shape) * dtype.itemsize != entry.size:

@@ -20,7 +20,15 @@ import torch
 
 from checkpointd.errors import RestoreMismatchError, UnsupportedValueError
 
-__all__ = ["Box", "LocalShard", "as_template", "intersect", "is_dtensor", "local_shard"]
+__all__ = [
+    "Box",
+    "LocalShard",
+    "as_template",
+    "intersect",
+    "is_dtensor",
+    "local_box",
+    "local_shard",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """(offsets, shape) of a box in a tensor's index space."""
@@ -120,6 +128,13 @@ def intersect(a: Box, b: Box) -> Box | None:
     return tuple(offsets), tuple(shape)
 
 
+def local_box(template: Any) -> Box:
+    """The box of the global tensor that live DTensor ``template``'s local shard holds."""
+    placements = tuple(template.placements)
+    local_shape, offsets, _, _ = _placement(tuple(template.shape), template.device_mesh, placements)
+    return offsets, local_shape
+
+
 def as_template(
     name: str,
     template: Any,
@@ -138,8 +153,7 @@ def as_template(
             f"tensor {name!r}: stored shape {list(stored)}, the target's {list(template.shape)}"
         )
     mesh, placements = template.device_mesh, tuple(template.placements)
-    local_shape, offsets, _, _ = _placement(tuple(template.shape), mesh, placements)
-    box: Box = (offsets, local_shape)
+    box = local_box(template)
     if sharded is not None:
         local = region(name, sharded, box)
     else:

@@ -28,7 +28,8 @@ from checkpointd.format.codec import (
     TupleNode,
     numpy_scalar_node,
 )
-from checkpointd.format.header import check_storable, shape_fits
+from checkpointd.format.dtypes import check_storable, encode_dtype
+from checkpointd.format.header import shape_fits
 from checkpointd.state import tree as trees
 from checkpointd.state.shards import is_dtensor, local_shard
 
@@ -103,7 +104,7 @@ class Walker:
         if isinstance(value, bytes):
             return bytes.__bytes__(value)
         if isinstance(value, torch.dtype):
-            return DTypeNode(str(value).removeprefix("torch."))
+            return DTypeNode(encode_dtype(value, "name"))
         if isinstance(value, (Mapping, list, tuple)):
             return self._container(value, path, level + 1)
         raise UnsupportedValueError(

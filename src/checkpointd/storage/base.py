@@ -263,6 +263,15 @@ class Store(ABC):
     def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
         """Fill ``buffer`` from ``path`` starting at byte ``offset``; short files raise."""
 
+    def read_into_sized(self, path: str, buffer: memoryview, offset: int = 0) -> int:
+        """The size of file ``path``, and ``buffer`` filled from byte ``offset`` if the file
+        is long enough (else left as it is: the caller reports the mismatch). Stores whose
+        reads tell the size anyway (S3's Content-Range) save the separate size request."""
+        size = self.size(path)
+        if len(buffer) and offset + len(buffer) <= size:
+            self.read_into(path, buffer, offset)
+        return size
+
     @abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes of regular file ``path``; StorageNotFoundError if absent."""

@@ -43,7 +43,8 @@ from checkpointd import tunables
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.digest import blob_name
-from checkpointd.format.header import DTYPE_CODES, TensorEntry, encode_safetensors_header
+from checkpointd.format.dtypes import decode_dtype, encode_dtype
+from checkpointd.format.header import TensorEntry, encode_safetensors_header
 from checkpointd.format.layout import BLOBS_DIR, HEADER_ALIGN, tensor_file_name, tree_file_name
 from checkpointd.format.manifest import BlobEntry, BlobRef, CheckpointInfo, ComponentEntry
 from checkpointd.maintain.blobs import blob_stored, newest_blobs, remove_pin, write_blob, write_pin
@@ -143,7 +144,7 @@ class IncrementalSaver:
             or not tensor.is_contiguous()
             or tensor.is_conj()
             or tensor.is_neg()
-            or DTYPE_CODES.get(tensor.dtype) != ref.dtype
+            or decode_dtype(ref.dtype) != tensor.dtype
             or list(tensor.shape) != ref.shape
         ):
             return None
@@ -274,7 +275,7 @@ class IncrementalSaver:
                         "another process?); nothing was published, and the next save copies "
                         "and writes every tensor"
                     )
-                ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+                ref = BlobRef(name, encode_dtype(entry.dtype, "code"), list(entry.shape))
                 blobs.refs.setdefault(component.name, {})[entry.name] = ref
                 blobs.claimed.add(name)
                 blobs.used[name] = msgspec.structs.replace(known, written=False)
@@ -291,7 +292,7 @@ class IncrementalSaver:
     ) -> None:
         """Hash one large tensor, then reference its blob or write it. Event loop."""
         name = await in_thread(limiter, blob_name, view)
-        ref = BlobRef(name, DTYPE_CODES[entry.dtype], list(entry.shape))
+        ref = BlobRef(name, encode_dtype(entry.dtype, "code"), list(entry.shape))
         blobs.refs.setdefault(component, {})[entry.name] = ref
         blobs.views.setdefault(name, view)
         if name in blobs.claimed:

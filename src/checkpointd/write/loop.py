@@ -101,7 +101,7 @@ class WriteService:
 
             self.incremental = IncrementalSaver(store, chunk_bytes=chunk_bytes)
         self.group = group
-        """The ranks that save together (None: this process alone); see distributed.py."""
+        """The ranks that save together (None: this process alone); see ranks/group.py."""
         self.policy = policy
         self.identity = WriterIdentity.for_root(store.url)  # in its manifests; see retention
         self._manifests: dict[int, Manifest] = {}  # read by retention passes, reused

@@ -27,6 +27,7 @@ from typing import Any, TypeAlias
 from checkpointd import tunables
 from checkpointd.format.checksum import BytesLike, crc32c
 from checkpointd.format.codec import encode_tree
+from checkpointd.format.dtypes import encode_dtype
 from checkpointd.format.header import encode_safetensors_header
 from checkpointd.format.layout import (
     DIRECT_ALIGN,
@@ -71,7 +72,7 @@ class WriteFile:
     """A file this process writes: ``parts`` concatenated, under ``name`` in the step folder.
 
     ``component`` is the component it belongs to (for messages), ``rank`` the rank
-    that writes it (recorded in the manifest; rankcommit.assign_ranks sets it).
+    that writes it (recorded in the manifest; ranks.commit.assign_ranks sets it).
     ``own``: the file holds this rank's shards, so this rank writes it and no other
     rank has a copy to compare it with.
     """
@@ -174,7 +175,7 @@ def plan_shards(
     loop. Used by full and incremental saves alike."""
     buffer, rank = snapshot.buffer, snapshot.rank
     sharded = {
-        s.name: ShardedTensor(str(s.dtype).removeprefix("torch."), list(s.shape), [])
+        s.name: ShardedTensor(encode_dtype(s.dtype, "name"), list(s.shape), [])
         for s in component.shards
     }
     if not component.shard_entries:

@@ -1,7 +1,7 @@
 """The checkpoint writer: sync and async front ends over one background write service.
 
 ``save()`` captures the state on the caller's thread and queues the snapshot;
-the service (service.py) writes queued snapshots one at a time, in order, each
+the service (loop.py) writes queued snapshots one at a time, in order, each
 with its files written concurrently. ``CheckpointWriter`` runs the service on an
 event loop in a thread of its own (lifecycle.py); ``AsyncCheckpointWriter`` runs
 it in the caller's loop (asyncio or trio). At most ``max_pending`` snapshots

@@ -1,0 +1,319 @@
+"""Restore DTensors straight into their local shards: the DTensor half of inplace.py.
+
+For a target that takes its tensors in place (``targets.dtensor_lands_in_place``: a
+plain or FSDP2 module, a plain optimizer loaded by parameter name, a dict), each stored
+sharded tensor whose live DTensor's local shard is a contiguous CPU tensor of the same
+dtype is *direct*: the decoder is handed the live DTensor itself, and the bytes of the
+rank's box are read into the local shard's memory once, after every check has passed.
+The order is inplace.py's, per block instead of per file (shards carry one CRC32C per
+``block_bytes`` block):
+
+1. **check pass** (``Boxes.take`` while decoding, then ``Boxes.check``; nothing changes): every block of every
+   shard the box overlaps is read through two reused block buffers and checked against
+   its CRC32C. The shard files stay pinned (``Store.open_pinned``), so retention or ``gc``
+   deleting them meanwhile changes nothing; on a store that cannot pin, the box's part of
+   each shard is read into fresh memory (checked) and kept until landing instead.
+2. **load**: the target's ``load_state_dict`` gets its own DTensors (a module copies each
+   onto itself, which torch skips; an optimizer keeps them), so no value changes yet;
+   ``Boxes.at_own_paths`` first checks the tree uses each live DTensor once, at the path
+   it was taken for (else the component is read the usual way).
+3. **landing** (``Boxes.land``): where a part is contiguous both in the shard and in the
+   local shard (FSDP2's row shards, on any world size) its whole blocks are read straight
+   into the local shard and the blocks at its edges through the buffers, every block's
+   CRC32C computed again over what was read; other parts are read into fresh memory
+   through the pin (checked) and copied. On a pinned file only another program writing
+   into a committed file, or a media error, can fail here (CorruptCheckpointError).
+
+Blocking; the thread reading the component (plus one helper thread while streaming).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
+from checkpointd.format.checksum import Span, crc32c_each
+from checkpointd.format.manifest import ShardedTensor, ShardEntry
+from checkpointd.read.landing import bytes_of
+from checkpointd.read.reader import StepReader
+from checkpointd.state.shards import Box, intersect, local_box
+from checkpointd.state.tree import alias_key, walk
+from checkpointd.storage.base import PinnedFile
+
+__all__ = ["Boxes"]
+
+
+@dataclass
+class _Part:
+    """The piece of one shard that lands in a local shard."""
+
+    shard: ShardEntry
+    part: Box
+    lo: int
+    hi: int
+    total: int
+    """The shard's size in bytes."""
+    contiguous: tuple[int, int, int] | None
+    """(shard byte begin, shard byte end, local byte offset) if the part is one run of
+    bytes in both the shard and the local shard, else None."""
+    kept: torch.Tensor | None = None
+    """On a store that cannot pin: the part, read and checked in the check pass."""
+
+
+@dataclass
+class _Box:
+    """A live DTensor whose local shard takes its stored box directly."""
+
+    name: str
+    live: torch.Tensor
+    local: torch.Tensor
+    box: Box
+    dtype: torch.dtype
+    parts: list[_Part] = field(default_factory=list)
+
+
+def _row_major(shape: tuple[int, ...]) -> list[int]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def _run(outer: Box, inner: Box) -> tuple[int, int] | None:
+    """(first, last + 1) elements of box ``inner`` in the row-major order of box
+    ``outer`` (which holds it) if they are one run, else None."""
+    strides = _row_major(outer[1])
+    first = sum((i - o) * s for i, o, s in zip(inner[0], outer[0], strides, strict=True))
+    last = first + sum((n - 1) * s for n, s in zip(inner[1], strides, strict=True))
+    return (first, last + 1) if last + 1 - first == math.prod(inner[1]) else None
+
+
+def _fits(local: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
+    return (
+        type(local) is torch.Tensor
+        and local.layout == torch.strided
+        and local.device.type == "cpu"
+        and local.dtype == dtype
+        and tuple(local.shape) == tuple(box[1])
+        and local.numel() > 0
+        and local.is_contiguous()
+        and not local.is_conj()
+        and not local.is_neg()
+    )
+
+
+class Boxes:
+    """The direct DTensors of one component: ``take`` during decoding (the check pass),
+    ``at_own_paths`` on the decoded tree, ``land`` after the load, ``close`` always."""
+
+    def __init__(self, reader: StepReader) -> None:
+        self.reader = reader
+        self.boxes: dict[str, _Box] = {}
+        self._pins: dict[str, PinnedFile | None] = {}
+        self._buffers: list[memoryview] = []
+        self._spans: list[tuple[int, int]] = []
+
+    def keys(self) -> set[tuple[Any, ...]]:
+        """``alias_key`` of every direct local shard (what a backup keeps by reference)."""
+        return {alias_key(b.local) for b in self.boxes.values()}
+
+    def take(self, name: str, template: Any, sharded: ShardedTensor) -> torch.Tensor | None:
+        """``template`` itself if its local shard can take its stored box directly (``check``
+        then checks the blocks); None to read it the usual way (which also reports a
+        shape mismatch or a damaged entry). Raises CorruptCheckpointError."""
+        from checkpointd.format.dtypes import decode_dtype
+
+        if name in self.boxes or tuple(sharded.shape) != tuple(template.shape):
+            return None
+        if template.device.type != "cpu":
+            return None
+        dtype = decode_dtype(sharded.dtype)
+        if dtype is None:
+            return None  # the usual read reports the unknown dtype
+        local, box = template.to_local(), local_box(template)
+        if not _fits(local, dtype, box) or not self._free(local):
+            return None
+        item = _Box(name, template, local, box, dtype)
+        for shard in sharded.shards:
+            part = intersect((tuple(shard.offsets), tuple(shard.shape)), box)
+            if part is None or 0 in part[1]:
+                continue
+            span = self.reader.shard_blocks(shard, dtype, part)
+            run, local_run = _run((tuple(shard.offsets), tuple(shard.shape)), part), _run(box, part)
+            size = dtype.itemsize
+            contiguous = None
+            if run is not None and local_run is not None:
+                contiguous = (run[0] * size, run[1] * size, local_run[0] * size)
+            item.parts.append(_Part(shard, part, span.lo, span.hi, span.total, contiguous))
+        if sum(math.prod(p.part[1]) for p in item.parts) != local.numel():
+            return None  # the shards do not cover the box: the usual path reports it
+        self.boxes[name] = item
+        start = local.data_ptr()
+        self._spans.append((start, start + local.numel() * local.element_size()))
+        live: torch.Tensor = template
+        return live
+
+    def _free(self, local: torch.Tensor) -> bool:
+        """Whether ``local``'s memory overlaps no direct local shard taken so far."""
+        lo = local.data_ptr()
+        hi = lo + local.numel() * local.element_size()
+        return not any(a < hi and lo < b for a, b in self._spans)
+
+    def _pin(self, file: str) -> PinnedFile | None:
+        if file not in self._pins:
+            try:
+                self._pins[file] = self.reader.store.open_pinned(f"{self.reader.folder}/{file}")
+                if self._pins[file] is not None:
+                    self.reader.check_size(file)
+            except StorageNotFoundError:
+                raise self.reader.vanished(file) from None
+        return self._pins[file]
+
+    def _read(self, file: str) -> Any:
+        pinned = self._pins[file]
+        assert pinned is not None
+
+        def read(view: memoryview, offset: int) -> None:
+            try:
+                pinned.read_into(view, offset)
+            except StorageNotFoundError:
+                raise self.reader.vanished(file) from None
+
+        return read
+
+    def _buffer(self, i: int, size: int) -> memoryview:
+        """Reused block buffer ``i`` (0 or 1), at least ``size`` bytes."""
+        while len(self._buffers) <= i:
+            self._buffers.append(memoryview(b""))
+        if len(self._buffers[i]) < size:
+            self._buffers[i] = memoryview(bytearray(size))
+        return self._buffers[i][:size]
+
+    def _blocks(self, piece: _Part) -> list[tuple[int, int]]:
+        """(begin, end) in the shard's bytes of each block holding ``piece``."""
+        block, total = piece.shard.block_bytes, piece.total
+        return [(i * block, min((i + 1) * block, total)) for i in range(piece.lo, piece.hi)]
+
+    def _by_file(self) -> dict[str, list[tuple[_Box, _Part]]]:
+        """Every piece by shard file, in file order (one stream per file)."""
+        found: dict[str, list[tuple[_Box, _Part]]] = {}
+        for item in self.boxes.values():
+            for piece in item.parts:
+                found.setdefault(piece.shard.file, []).append((item, piece))
+        for pieces in found.values():
+            pieces.sort(key=lambda p: p[1].shard.begin + p[1].lo * p[1].shard.block_bytes)
+        return found
+
+    def check(self) -> None:
+        """The check pass (module doc, step 1) over every piece taken: on a pinned file
+        its blocks are streamed through the two block buffers and checked (one stream
+        per file); elsewhere its part is read into fresh memory, checked and kept.
+        CorruptCheckpointError if a block differs; nothing live changes."""
+        for file, pieces in self._by_file().items():
+            if self._pin(file) is None:
+                for item, piece in pieces:
+                    piece.kept = self.reader.shard_part(piece.shard, item.dtype, piece.part)
+                continue
+            if not self.reader.verify:
+                continue
+            spans: list[Span] = []
+            owners: list[tuple[_Part, int]] = []
+            for _, piece in pieces:
+                for index, (begin, end) in zip(
+                    range(piece.lo, piece.hi), self._blocks(piece), strict=True
+                ):
+                    view = self._buffer(len(spans) % 2, end - begin)
+                    spans.append((view, piece.shard.begin + begin))
+                    owners.append((piece, index))
+            digests = crc32c_each(spans, self._read(file))
+            for (piece, index), digest in zip(owners, digests, strict=True):
+                self.reader.check_block(piece.shard, index, digest)
+
+    def at_own_paths(self, tree: Any) -> bool:
+        """Whether ``tree`` holds each direct DTensor exactly once, at the path it was
+        taken for: then loading it writes no live tensor's old value anywhere else."""
+        by_id = {id(b.live): b.name for b in self.boxes.values()}
+        if len(by_id) != len(self.boxes):
+            return False
+        seen: dict[str, int] = {}
+        for path, leaf in walk(tree):
+            name = by_id.get(id(leaf))
+            if name is not None:
+                if "/".join(path) != name:
+                    return False
+                seen[name] = seen.get(name, 0) + 1
+        return all(seen.get(name) == 1 for name in self.boxes)
+
+    def land(self, where: str) -> None:
+        """Read every direct box into its local shard (see the module doc, step 3)."""
+        for file, pieces in self._by_file().items():
+            self._land_file(where, file, pieces)
+        for item in self.boxes.values():
+            torch.autograd.graph.increment_version(item.local)
+
+    def _land_file(self, where: str, file: str, pieces: list[tuple[_Box, _Part]]) -> None:
+        """``land`` for the pieces of one shard file: kept ones copied, strided ones read
+        fresh (checked) and copied, contiguous ones in one stream, straight into the
+        local shards but for the blocks at their edges (through the block buffers)."""
+        spans: list[Span] = []
+        owners: list[tuple[_Box, _Part, int]] = []
+        edges: dict[int, tuple[memoryview, int, int, int]] = {}  # span -> (dest, from, to, at)
+        for item, piece in pieces:
+            if piece.kept is not None:
+                item.local[self._where(item.box, piece.part)].copy_(piece.kept)
+                continue
+            shard = piece.shard
+            if piece.contiguous is None:
+                fresh = self.reader.shard_part(shard, item.dtype, piece.part, self._read(file))
+                item.local[self._where(item.box, piece.part)].copy_(fresh)
+                continue
+            begin, end, at = piece.contiguous
+            local = bytes_of(item.local)
+            for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
+                owners.append((item, piece, index))
+                if begin <= lo and hi <= end:
+                    spans.append((local[at + lo - begin : at + hi - begin], shard.begin + lo))
+                    continue
+                a, b = max(lo, begin), min(hi, end)
+                edges[len(spans)] = (local, a - lo, b - lo, at + a - begin)
+                spans.append((self._buffer(len(edges) % 2, hi - lo), shard.begin + lo))
+        if not spans:
+            return
+
+        def after(i: int, view: memoryview) -> None:
+            edge = edges.get(i)
+            if edge is not None:
+                local, a, b, to = edge
+                local[to : to + b - a] = view[a:b]
+
+        digests = crc32c_each(spans, self._read(file), after)
+        for (item, piece, index), digest in zip(owners, digests, strict=True):
+            expected = piece.shard.crc32c[index]
+            if digest != expected:
+                raise CorruptCheckpointError(
+                    f"{where}/{file}: CRC32C {digest:08x} of block {index} of the shard at "
+                    f"{piece.shard.offsets} read into the live tensor {item.name!r} does not "
+                    f"match the manifest's {expected:08x} (the file changed while it was "
+                    "being restored)"
+                )
+
+    @staticmethod
+    def _where(box: Box, part: Box) -> tuple[slice, ...]:
+        return tuple(
+            slice(o - b, o - b + n) for o, n, b in zip(part[0], part[1], box[0], strict=True)
+        )
+
+    def close(self) -> None:
+        """Close the pinned shard files and drop what was kept."""
+        pins, self._pins = self._pins, {}
+        for pinned in pins.values():
+            if pinned is not None:
+                pinned.close()
+        for item in self.boxes.values():
+            for piece in item.parts:
+                piece.kept = None
+        self._buffers = []

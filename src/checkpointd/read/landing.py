@@ -1,0 +1,155 @@
+"""The two passes over a tensor file some of whose tensors restore straight into live
+tensors (inplace.py says why the order is all or nothing): the check pass streams the
+file through two reused chunk buffers, checks its CRC32C and copies its other tensors
+out; the landing pass reads the direct tensors' bytes into the live tensors and checks
+the CRC32C again over what landed. Blocking; the restoring thread (plus one helper
+thread per file while streaming)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from checkpointd import tunables
+from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
+from checkpointd.format.checksum import crc32c_stream
+from checkpointd.format.header import TensorEntry
+from checkpointd.read.reader import StepReader
+from checkpointd.storage.base import PinnedFile
+
+__all__ = ["Landing", "bytes_of", "check_pass", "land_file"]
+
+_ALIGN = 64
+"""Alignment of each tensor copied out into fresh memory during the check pass."""
+
+
+@dataclass
+class Landing:
+    """One tensor file some of whose tensors land straight in live tensors."""
+
+    file: str
+    start: int
+    entries: list[TensorEntry]
+    direct: dict[str, torch.Tensor]
+    crc32c: int
+    header: bytes = b""
+    kept: list[memoryview] = field(default_factory=list)
+    """Byte views of the tensors that do not land directly, in file order."""
+    pinned: PinnedFile | None = None
+    source: torch.Tensor | None = None
+
+
+def bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def _reader(reader: StepReader, landing: Landing) -> Callable[[memoryview, int], None]:
+    pinned = landing.pinned
+    assert pinned is not None
+
+    def read(view: memoryview, offset: int) -> None:
+        try:
+            pinned.read_into(view, offset)
+        except StorageNotFoundError:
+            raise reader.vanished(landing.file) from None
+
+    return read
+
+
+def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
+    """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
+    copying its header and its non-direct tensors out on the way; those tensors by name.
+    Where the store could not pin the file it was read whole (kept until landing)."""
+    size = reader.files[landing.file].size
+    others = [e for e in landing.entries if e.name not in landing.direct]
+    pinned, source = landing.pinned, landing.source
+    if pinned is None:
+        assert source is not None  # read whole (and checked) by _open
+        landing.header = bytes(source[: landing.start].numpy())
+        kept: dict[str, torch.Tensor] = {}
+        for e in others:
+            piece = source[landing.start + e.begin : landing.start + e.end]
+            if (landing.start + e.begin) % e.dtype.itemsize:
+                piece = piece.clone()
+            kept[e.name] = piece.view(e.dtype).view(e.shape)
+        return kept
+    offsets: list[int] = []
+    total = 0
+    for e in others:
+        offsets.append(total)
+        total += -(-(e.end - e.begin) // _ALIGN) * _ALIGN
+    memory = torch.empty(total, dtype=torch.uint8)
+    out = memory.numpy().data.cast("B") if total else memoryview(b"")
+    # (file begin, file end, destination) of what is copied out of each chunk, in order.
+    copies: list[tuple[int, int, int | None]] = [(0, landing.start, None)] + [
+        (landing.start + e.begin, landing.start + e.end, at)
+        for e, at in zip(others, offsets, strict=True)
+    ]
+    header = bytearray(landing.start)
+    chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
+    buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
+    spans: list[tuple[memoryview, int | None]] = [
+        (buffers[i % 2][: min(chunk, size - offset)], offset)
+        for i, offset in enumerate(range(0, size, chunk))
+    ]
+    cursor = 0
+
+    def extract(i: int, view: memoryview) -> None:
+        nonlocal cursor
+        lo, hi = i * chunk, i * chunk + len(view)
+        while cursor < len(copies) and copies[cursor][1] <= lo:
+            cursor += 1
+        j = cursor
+        while j < len(copies) and copies[j][0] < hi:
+            begin, end, at = copies[j]
+            a, b = max(begin, lo), min(end, hi)
+            if a < b:
+                if at is None:
+                    header[a:b] = view[a - lo : b - lo]
+                else:
+                    out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
+            j += 1
+
+    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+    landing.header = bytes(header)
+    landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
+    return {
+        e.name: memory[at : at + e.end - e.begin].view(e.dtype).view(e.shape)
+        for e, at in zip(others, offsets, strict=True)
+    }
+
+
+def land_file(where: str, landing: Landing) -> None:
+    """Land the direct tensors of one file (``where``: the step, for messages)."""
+    source = landing.source
+    if source is not None:  # read whole and checked in the check pass
+        for e in landing.entries:
+            live = landing.direct.get(e.name)
+            if live is not None:
+                flat = live.detach().reshape(-1).view(torch.uint8)
+                flat.copy_(source[landing.start + e.begin : landing.start + e.end])
+        return
+    pinned = landing.pinned
+    assert pinned is not None
+    spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
+    kept = iter(landing.kept)
+    for e in landing.entries:
+        live = landing.direct.get(e.name)
+        if live is None:
+            spans.append((next(kept), None))
+            continue
+        view = bytes_of(live)
+        for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
+            part = view[at : at + tunables.READ_CHUNK_BYTES]
+            spans.append((part, landing.start + e.begin + at))
+    digest = crc32c_stream(spans, pinned.read_into)
+    if digest != landing.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
+            f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
+            "file changed while it was being restored)"
+        )
