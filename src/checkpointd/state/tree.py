@@ -115,7 +115,7 @@ def map_tree(
                 result = dict(items)
             if hasattr(value, "_metadata"):
                 # torch keeps a state dict's per-module versions here, with no public accessor
-                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]  # noqa: SLF001
+                result._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]  # noqa: SLF001 - torch's convention
             return result
         if isinstance(value, list):
             return [visit(v) for v in value]

@@ -15,6 +15,7 @@ import errno
 from typing import Any
 
 from checkpointd.errors import StorageError
+from checkpointd.storage.s3upload import call_s3
 
 __all__ = ["RangedReader"]
 
@@ -77,7 +78,7 @@ class RangedReader:
         if gated:
             async with self._gate:
                 return await self._head(bucket, key, gated=False)
-        info = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)  # noqa: SLF001 - fsspec's async API
+        info = await call_s3(self.fs, "head_object", Bucket=bucket, Key=key)
         return int(info["ContentLength"])
 
     async def _get(  # noqa: PLR0917 - one range of read_ranges
@@ -87,7 +88,8 @@ class RangedReader:
         assert self._gate is not None
         async with self._gate:
             try:
-                response = await self.fs._call_s3(  # noqa: SLF001 - fsspec's async API
+                response = await call_s3(
+                    self.fs,
                     "get_object",
                     Bucket=bucket,
                     Key=key,

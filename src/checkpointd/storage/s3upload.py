@@ -48,6 +48,13 @@ def choose_part_size(size: int | None, preferred: int) -> int:
     return part
 
 
+def call_s3(fs: Any, method: str, **kwargs: Any) -> Any:
+    """The coroutine of one S3 API call through s3fs, with s3fs's retries of transient
+    errors and its credential refresh (which a bare aiobotocore client lacks). Await it
+    on s3fs's event loop."""
+    return fs._call_s3(method, **kwargs)  # noqa: SLF001 - s3fs has no public per-call API
+
+
 class ParallelUploadSink:
     """Uploads ``target`` on the s3fs file system ``fs`` as parts of ``part_size`` bytes."""
 
@@ -65,9 +72,7 @@ class ParallelUploadSink:
 
     def _call(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
         """Run one S3 call on s3fs's event loop; s3fs retries transient errors itself."""
-        # s3fs's private call: its retries and credential refresh, which the client lacks
-        call = self._fs._call_s3  # noqa: SLF001 - s3fs has no public per-call API
-        coroutine = call(method, Bucket=self._bucket, Key=self._key, **kwargs)
+        coroutine = call_s3(self._fs, method, Bucket=self._bucket, Key=self._key, **kwargs)
         return asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)
 
     def write(self, data: BytesLike) -> None:
