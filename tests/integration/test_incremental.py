@@ -257,7 +257,7 @@ def test_async_writer_saves_incrementally(local_root: Root) -> None:
 def test_incremental_with_many_ranks_is_refused(
     local_root: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import checkpointd.write.writer_base
+    from checkpointd.write import opening
 
     closed: list[bool] = []
 
@@ -267,7 +267,7 @@ def test_incremental_with_many_ranks_is_refused(
         def close(self) -> None:
             closed.append(True)
 
-    monkeypatch.setattr(checkpointd.write.writer_base, "writer_group", lambda *_: TwoRanks())
+    monkeypatch.setattr(opening, "open_group", lambda *_: TwoRanks())
     with pytest.raises(InvalidArgumentError, match="2 ranks"):
         checkpointd.CheckpointWriter(local_root.url, incremental=True)
     assert closed == [True]

@@ -29,6 +29,7 @@ from checkpointd.errors import InvalidArgumentError, ServiceError
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
@@ -38,25 +39,27 @@ from .snapshot import describe
 
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
-    from checkpointd.write.writer_base import WriterBase
 
 __all__ = ["RemoteService", "open_remote"]
 
 
 def open_remote(
-    writer: WriterBase, max_pending: int, max_concurrency: int, *, pooled: bool = False
+    root: str, options: WriterOptions, group: Group | None, *, in_callers_loop: bool
 ) -> RemoteService:
-    """The RemoteService of a writer made with ``service=`` (``pooled``: with a
-    ``buffer_pool``); InvalidArgumentError for an option the service does not support
-    yet, ServiceError if no service answers (or, with "auto", none could be started)."""
-    from checkpointd.write.writer import AsyncCheckpointWriter
-
+    """The RemoteService of a writer of ``root`` made with ``service=`` (in ``options``);
+    ``group``: the ranks it saves with, re-keyed for the service (ranks/hosted.py), or
+    None; ``in_callers_loop``: an AsyncCheckpointWriter.
+    InvalidArgumentError for an option the service does not support yet, ServiceError
+    if no service answers (or, with "auto", none could be started)."""
     unsupported = [
         what
         for what, used in (
-            ('staging="overlapped"', writer.staging != "blocking"),
-            ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
-            ("buffer_pool (the service's shared memory is its buffers)", pooled),
+            ('staging="overlapped"', options.staging != "blocking"),
+            ("AsyncCheckpointWriter", in_callers_loop),
+            (
+                "buffer_pool (the service's shared memory is its buffers)",
+                options.buffer_pool is not None,
+            ),
         )
         if used
     ]
@@ -65,26 +68,31 @@ def open_remote(
             f"the checkpoint service does not support {', '.join(unsupported)} yet: "
             "use service=None for this writer"
         )
-    assert writer.service is not None
-    options = writer.storage_options
+    service = options.service_path
+    assert service is not None
+    storage_options = options.storage_options
     try:
-        options = None if options is None else msgspec.json.decode(msgspec.json.encode(options))
+        plain = (
+            None
+            if storage_options is None
+            else msgspec.json.decode(msgspec.json.encode(storage_options))
+        )
     except (TypeError, msgspec.EncodeError) as exc:
         raise InvalidArgumentError(
             f"storage_options must be JSON-able to reach the checkpoint service: {exc}"
         ) from None
-    conn = connect(writer.service)
+    conn = connect(service)
     try:
         return RemoteService(
             conn,
-            writer.root,
-            storage_options=options,
-            policy=writer.policy,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-            newer_steps=writer.newer_steps,
-            incremental=writer.incremental,
-            group=writer.group,
+            root,
+            storage_options=plain,
+            policy=options.policy,
+            max_pending=options.max_pending,
+            max_concurrency=options.max_concurrency,
+            newer_steps=options.newer_steps,
+            incremental=options.incremental,
+            group=group,
         )
     except BaseException:
         conn.close()

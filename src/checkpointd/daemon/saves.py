@@ -21,7 +21,7 @@ import anyio.to_thread
 import torch
 from anyio.abc import TaskGroup
 
-from checkpointd import errors
+from checkpointd import errors, tunables
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.hosted import open_hosted
 from checkpointd.storage import open_store
@@ -110,6 +110,7 @@ class Saves:
             message.newer_steps,  # type: ignore[arg-type]
             incremental=message.incremental,
             group=group,
+            chunk_bytes=tunables.CHUNK_BYTES,
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)

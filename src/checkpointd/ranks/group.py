@@ -37,7 +37,6 @@ __all__ = [
     "rank_key",
     "resolve_group",
     "split_state",
-    "writer_group",
 ]
 
 
@@ -122,7 +121,9 @@ class Group:
     in group-rank order, ``publisher`` the rank that publishes manifests and runs
     retention. ``store`` is a clone of the job's c10d store (a connection of its own)
     under a prefix owned by this writer; ``token`` is agreed by every rank when the
-    writer is made (it names the files). Thread-safe: c10d stores lock each operation.
+    writer is made (it names the files). ``join_seconds`` is how long a save waits for
+    a live rank that has not joined it (the writer's option). Thread-safe: c10d stores
+    lock each operation.
     """
 
     def __init__(
@@ -133,9 +134,11 @@ class Group:
         token: str,
         ranks: tuple[int, ...] | None = None,
         *,
+        join_seconds: float,
         heartbeat: bool = True,
     ) -> None:
         self.store = store
+        self.join_seconds = join_seconds
         self.rank = rank
         self.world_size = world_size
         self.ranks = tuple(range(world_size)) if ranks is None else ranks
@@ -261,7 +264,7 @@ def _pairing_key(ranks: tuple[int, ...], root: str) -> str:
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def resolve_group(process_group: Any, root: str) -> Group | None:
+def resolve_group(process_group: Any, root: str, *, join_seconds: float) -> Group | None:
     """The Group a writer of ``root`` made with ``process_group`` saves with; None to
     save alone.
 
@@ -271,7 +274,7 @@ def resolve_group(process_group: Any, root: str) -> Group | None:
     part. The writers that save together are paired by the group's ranks, ``root``
     (the same URL on every rank) and their number among this process's writers of that
     group and root: every rank of the group makes its writers of a root in the same
-    order. Group rank 0 draws the token; the others wait up to JOIN_SECONDS.
+    order. Group rank 0 draws the token; the others wait up to ``join_seconds``.
     Caller thread, blocking.
     """
     if process_group is LOCAL:
@@ -292,32 +295,17 @@ def resolve_group(process_group: Any, root: str) -> Group | None:
         store.set("token", token)
     else:
         try:
-            store.wait(["token"], _timedelta(tunables.JOIN_SECONDS))
+            store.wait(["token"], _timedelta(join_seconds))
         except Exception:
             first = "rank 0" if ranks[0] == 0 else f"rank {ranks[0]} (rank 0 of the group)"
             raise RankFailedError(
                 f"{first} did not make its writer number {number} of {root} within "
-                f"{tunables.JOIN_SECONDS}s: every rank of the group must make the same "
+                f"{join_seconds}s: every rank of the group must make the same "
                 "writers of a root in the same order (or pass "
                 "process_group=checkpointd.LOCAL to save alone)"
             ) from None
         token = store.get("token").decode()
-    return Group(store, rank, len(ranks), token, ranks)
-
-
-def writer_group(process_group: Any, root: str, service: object) -> Group | None:
-    """The group a writer of ``root`` saves with: none (alone) unless torch.distributed is
-    initialized with more than one rank in ``process_group`` and it is not LOCAL;
-    re-keyed for the service with ``service`` (ranks/hosted.py). Imports
-    torch.distributed only when it is in use."""
-    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
-        return None
-    group = resolve_group(process_group, root)
-    if group is None or service is None:
-        return group
-    from checkpointd.ranks.hosted import for_service
-
-    return for_service(group)
+    return Group(store, rank, len(ranks), token, ranks, join_seconds=join_seconds)
 
 
 def _timedelta(seconds: float) -> Any:

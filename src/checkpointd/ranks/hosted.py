@@ -19,7 +19,6 @@ from typing import Any
 
 import msgspec
 
-from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RankFailedError
 from checkpointd.ranks.group import Group
 
@@ -38,6 +37,8 @@ class HostedGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token: str
     ranks: list[int]
     """The group's global ranks (a sub-group's; the world's for the default group)."""
+    join_seconds: float
+    """The writer's ``join_seconds``: how long the service waits for a rank to join."""
 
 
 def _tcp_store(group: Group) -> Any:
@@ -70,7 +71,7 @@ def for_service(group: Group) -> Group:
             space = secrets.token_hex(8)
             group.store.set("space", space)
         else:
-            group.store.wait(["space"], datetime.timedelta(seconds=tunables.JOIN_SECONDS))
+            group.store.wait(["space"], datetime.timedelta(seconds=group.join_seconds))
             space = group.store.get("space").decode()
     except InvalidArgumentError:
         group.close()
@@ -84,11 +85,26 @@ def for_service(group: Group) -> Group:
 
     prefix = f"checkpointd/svc/{space}/"
     address = HostedGroup(
-        tcp.host, tcp.port, prefix, group.rank, group.world_size, group.token, list(group.ranks)
+        tcp.host,
+        tcp.port,
+        prefix,
+        group.rank,
+        group.world_size,
+        group.token,
+        list(group.ranks),
+        group.join_seconds,
     )
     group.close()
     store = PrefixStore(prefix, tcp.clone())
-    hosted = Group(store, group.rank, group.world_size, group.token, group.ranks, heartbeat=False)
+    hosted = Group(
+        store,
+        group.rank,
+        group.world_size,
+        group.token,
+        group.ranks,
+        heartbeat=False,
+        join_seconds=group.join_seconds,
+    )
     hosted.hosted = address
     return hosted
 
@@ -98,9 +114,16 @@ def open_hosted(address: HostedGroup) -> Group:
     in ``address``'s key space, beating for its rank. Worker thread, blocking."""
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-    timeout = datetime.timedelta(seconds=tunables.JOIN_SECONDS)
+    timeout = datetime.timedelta(seconds=address.join_seconds)
     tcp = TCPStore(
         address.host, address.port, is_master=False, wait_for_workers=False, timeout=timeout
     )
     store = PrefixStore(address.prefix, tcp)
-    return Group(store, address.rank, address.world_size, address.token, tuple(address.ranks))
+    return Group(
+        store,
+        address.rank,
+        address.world_size,
+        address.token,
+        tuple(address.ranks),
+        join_seconds=address.join_seconds,
+    )

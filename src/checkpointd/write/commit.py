@@ -63,11 +63,12 @@ async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
-def _stream_file(store: Store, folder: str, file: WriteFile) -> tuple[FileSink, FileEntry]:
-    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go.
-    Worker thread."""
+def _stream_file(
+    store: Store, folder: str, file: WriteFile, chunk_bytes: int
+) -> tuple[FileSink, FileEntry]:
+    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go,
+    ``chunk_bytes`` per write. Worker thread."""
     sink = store.open_file(f"{folder}/{file.name}", size=file.size)
-    chunk_bytes = tunables.CHUNK_BYTES
     try:
         digest = 0
         size = 0
@@ -111,15 +112,17 @@ async def write_files(
     *,
     streamed: list[tuple[FileSink, FileEntry]],
     committed: list[FileEntry],
+    chunk_bytes: int,
 ) -> None:
-    """Stream every file (bounded by ``limiter``), then commit each and sync the folder.
+    """Stream every file (bounded by ``limiter``, ``chunk_bytes`` per write), then commit
+    each and sync the folder.
 
     ``streamed`` and ``committed`` collect what was written, so the caller can clean
     up if this raises. Nothing is committed until every file has streamed. Event loop."""
     folder = step_dirname(step)
 
     async def stream(file: WriteFile) -> None:
-        streamed.append(await in_thread(limiter, _stream_file, store, folder, file))
+        streamed.append(await in_thread(limiter, _stream_file, store, folder, file, chunk_bytes))
 
     async def commit(sink: FileSink, entry: FileEntry) -> None:
         await in_thread(limiter, _commit_file, sink)
@@ -156,6 +159,7 @@ async def commit_plan(
     limiter: anyio.CapacityLimiter,
     *,
     identity: WriterIdentity | None = None,
+    chunk_bytes: int,
 ) -> CheckpointInfo:
     """Write, commit and publish ``plan``; return its CheckpointInfo once it is durable.
 
@@ -165,14 +169,23 @@ async def commit_plan(
     checkpoint. Raises CheckpointExistsError if the step is already committed
     (before writing anything) or another writer publishes it first (after
     removing this attempt's files); StorageError on I/O failure. ``identity``
-    (the writer's) is recorded in the manifest and told of the commit.
+    (the writer's) is recorded in the manifest and told of the commit; files are written
+    ``chunk_bytes`` per call (the writer's option).
     """
     step = plan.step
     await open_step(store, step, limiter)
     streamed: list[tuple[FileSink, FileEntry]] = []
     committed: list[FileEntry] = []
     try:
-        await write_files(store, step, plan.files, limiter, streamed=streamed, committed=committed)
+        await write_files(
+            store,
+            step,
+            plan.files,
+            limiter,
+            streamed=streamed,
+            committed=committed,
+            chunk_bytes=chunk_bytes,
+        )
         manifest = manifest_of(plan, committed, identity=identity)
         await publish_manifest(store, manifest, limiter)
     except BaseException:

@@ -113,8 +113,9 @@ class IncrementalSaver:
     from the newest one in the root on the first save); ``stats`` describe the last save.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, chunk_bytes: int) -> None:
         self.store = store
+        self.chunk_bytes = chunk_bytes  # per write, for blobs and files alike
         self.previous: dict[str, BlobEntry] | None = None
         self.stats = SaveStats()
         self.unchanged: Mapping[tuple[str, str], BlobRef] = {}
@@ -206,7 +207,9 @@ class IncrementalSaver:
             stats.prehashed = prehashed
             await in_thread(limiter, store.sync_dir, BLOBS_DIR)
             plan = await in_thread(limiter, _plan, snapshot, token, blobs)
-            info = await commit_plan(store, plan, limiter, identity=identity)
+            info = await commit_plan(
+                store, plan, limiter, identity=identity, chunk_bytes=self.chunk_bytes
+            )
         except BaseException:
             self._reset()  # the next save copies everything: it trusts nothing of this one
             with anyio.CancelScope(shield=True):
@@ -299,7 +302,9 @@ class IncrementalSaver:
         if known is not None and known.size == len(view):
             blobs.used[name] = msgspec.structs.replace(known, written=False)
             return
-        blobs.used[name] = await in_thread(limiter, write_blob, self.store, name, view)
+        blobs.used[name] = await in_thread(
+            limiter, write_blob, self.store, name, view, self.chunk_bytes
+        )
 
     async def _check_stored(self, blobs: _Blobs, limiter: anyio.CapacityLimiter) -> SaveStats:
         """Make sure every blob the manifest will list is stored, referenced ones and ones
@@ -317,7 +322,7 @@ class IncrementalSaver:
                     "copy of its bytes; nothing was published, the next save writes it"
                 )
             blobs.used[entry.name] = await in_thread(
-                limiter, write_blob, self.store, entry.name, view
+                limiter, write_blob, self.store, entry.name, view, self.chunk_bytes
             )
             stats.repaired += 1
 

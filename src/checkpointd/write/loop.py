@@ -88,15 +88,18 @@ class WriteService:
         *,
         group: Group | None = None,
         incremental: bool = False,
+        chunk_bytes: int,
         pool: BufferPool | None = None,
     ) -> None:
         self.store = store
+        self.chunk_bytes = chunk_bytes
+        """Bytes handed to the store per write (the writer's option)."""
         self.incremental: IncrementalSaver | None = None
         """Set for ``incremental=True``: references unchanged tensors (incremental.py)."""
         if incremental:
             from checkpointd.write.incremental import IncrementalSaver
 
-            self.incremental = IncrementalSaver(store)
+            self.incremental = IncrementalSaver(store, chunk_bytes=chunk_bytes)
         self.group = group
         """The ranks that save together (None: this process alone); see ranks/group.py."""
         self.policy = policy
@@ -193,7 +196,7 @@ class WriteService:
 
     async def _staged(self, staging: Staging, snapshot: Snapshot) -> None:
         """Wait for a save's background copy; if it failed, abandon this attempt for every
-        rank of the group first (they fail at once, not after JOIN_SECONDS), then raise."""
+        rank of the group first (they fail at once, not after join_seconds), then raise."""
         try:
             await staging.wait_async()
         except StagingError as exc:
@@ -213,13 +216,21 @@ class WriteService:
             return await self.incremental.commit(snapshot, limiter, identity=self.identity)
         if group is None:
             plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot)
-            return await commit_plan(self.store, plan, limiter, identity=self.identity)
+            return await commit_plan(
+                self.store, plan, limiter, identity=self.identity, chunk_bytes=self.chunk_bytes
+            )
         from checkpointd.ranks.commit import commit_ranked
 
         token = f"{group.token}{snapshot.attempt}"
         plan = await anyio.to_thread.run_sync(plan_snapshot, snapshot, token)
         return await commit_ranked(
-            self.store, plan, limiter, group, snapshot.attempt, identity=self.identity
+            self.store,
+            plan,
+            limiter,
+            group,
+            snapshot.attempt,
+            identity=self.identity,
+            chunk_bytes=self.chunk_bytes,
         )
 
     async def acquire_buffer(self) -> StagingBuffer:
