@@ -5,6 +5,9 @@ Same state, interleaved repetitions, medians and ratios:
   first two saves of each apart: they allocate);
 - a restart's ``restore``: from the service's memory tier vs from local disk with the
   checkpoint's pages evicted (posix_fadvise), beside the memcpy of the state;
+- training step time while a save is in flight: in-process writer, the service at its
+  default priority (niceness 10, I/O best effort 7) and at the trainer's (``--niceness 0
+  --io-priority none``), with the time until durable of each;
 - kill -9 of a trainer at random moments after ``save()`` returned: how many of those
   checkpoints committed, each checked bit-exact.
 
@@ -54,14 +57,14 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
 
 
-def _start_service(folder: str) -> subprocess.Popen[bytes]:
+def _start_service(folder: str, *args: str) -> subprocess.Popen[bytes]:
     from checkpointd.daemon.client import Connection
     from checkpointd.errors import ServiceError
 
     socket = os.path.join(folder, "sock")
     with open(os.path.join(folder, "serve.log"), "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket, *args],
             env=_env(),
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -130,6 +133,73 @@ def _listed(root: str) -> list[checkpointd.CheckpointInfo]:
     return checkpointd.list_checkpoints(root) if os.path.isdir(root) else []
 
 
+def _training_during_saves(
+    writers: dict[str, checkpointd.CheckpointWriter], frozen: Any, windows: int, table: Table
+) -> None:
+    """A CPU training loop (4 x 512-wide linear layers, AdamW, batch 256) saving its state
+    plus ``frozen``; save windows alternate between ``writers``, idle steps between:
+    ``train.idle``, ``train.<name>`` (each step while a save is in flight) and
+    ``train.<name>.durable``."""
+    width, batch = 512, 256
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optimizer": optimizer, "frozen": frozen}
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step() -> float:
+        started = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    for _ in range(5):
+        step()
+    for writer in writers.values():
+        for warm in range(WARMUP):
+            writer.save(warm, state).result(600)
+    saves = WARMUP
+    for window in range(windows):
+        order = list(writers.items())
+        for name, writer in order if window % 2 == 0 else order[::-1]:
+            handle = writer.save(saves, state)
+            saves += 1
+            while not handle.done():
+                table.add(f"train.{name}", step())
+            handle.result(600)
+            assert handle.durable_seconds is not None
+            table.add(f"train.{name}.durable", handle.durable_seconds)
+            for _ in range(10):
+                table.add("train.idle", step())
+
+
+def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: Table) -> None:
+    """``_training_during_saves`` for the in-process writer, the service at ``socket``
+    (default priority) and one more service at the trainer's priority."""
+    plain = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
+    full = _start_service(plain, "--niceness", "0", "--io-priority", "none")
+    try:
+        trainers = {
+            "inproc": checkpointd.CheckpointWriter(str(folder / "t-inproc"), keep_last=1),
+            "service": checkpointd.CheckpointWriter(
+                str(folder / "t-svc"), keep_last=1, service=socket
+            ),
+            "service_nice0": checkpointd.CheckpointWriter(
+                str(folder / "t-svc0"), keep_last=1, service=os.path.join(plain, "sock")
+            ),
+        }
+        try:
+            _training_during_saves(trainers, frozen, windows, table)
+        finally:
+            for writer in trainers.values():
+                writer.close()
+    finally:
+        full.terminate()
+        full.wait(60)
+        shutil.rmtree(plain, ignore_errors=True)
+
+
 def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[str, Any]:
     model = transformer(layers, width)
     state = {"model": model}
@@ -168,6 +238,7 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
             started = time.perf_counter()
             info = checkpointd.restore(str(folder / "inproc"), {"model": restored})
             table.add("restore.disk_cold", time.perf_counter() - started)
+        _training_rows(folder, socket, model, reps, table)
         chance = random.Random(0)
         returned = committed = 0
         numel = max(1, min(nbytes // 4, 16 * 1024 * 1024))
@@ -186,6 +257,17 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
             "durable service/inproc": table.ratio("service.durable", "inproc.durable"),
             "restore memory/memcpy": table.ratio("restore.memory", "memcpy"),
             "restore disk_cold/memory": table.ratio("restore.disk_cold", "restore.memory"),
+            "train step during save inproc/idle": table.ratio("train.inproc", "train.idle"),
+            "train step during save service/idle": table.ratio("train.service", "train.idle"),
+            "train step during save service_nice0/idle": table.ratio(
+                "train.service_nice0", "train.idle"
+            ),
+            "durable while training service/inproc": table.ratio(
+                "train.service.durable", "train.inproc.durable"
+            ),
+            "durable while training service_nice0/inproc": table.ratio(
+                "train.service_nice0.durable", "train.inproc.durable"
+            ),
         },
         "kill9": {"trainers": kills, "returned": returned, "committed_bit_exact": committed},
         "table": table,
@@ -205,10 +287,17 @@ def report(results: dict[str, Any]) -> list[str]:
         "service.durable",
         "restore.memory",
         "restore.disk_cold",
+        "train.idle",
+        "train.inproc",
+        "train.service",
+        "train.service_nice0",
+        "train.inproc.durable",
+        "train.service.durable",
+        "train.service_nice0.durable",
     ):
-        lines.append(f"  {name:<20} {fmt_seconds(table[name])}")
+        lines.append(f"  {name:<28} {fmt_seconds(table[name])}")
     for name, value in results["ratios"].items():
-        lines.append(f"  {name:<28} {value:.2f}x")
+        lines.append(f"  {name:<44} {value:.2f}x")
     kill = results["kill9"]
     lines.append(
         f"  kill -9 after save() returned: {kill['committed_bit_exact']} of {kill['returned']} "

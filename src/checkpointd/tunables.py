@@ -42,7 +42,7 @@ __all__ = [
 CHUNK_BYTES = 16 * 2**20
 """Bytes handed to a sink per write while streaming a file: large enough that the
 per-call cost vanishes, small enough that the digest and the write of one chunk
-overlap well with other files'."""
+overlap well with other files'. The default of a writer's ``chunk_bytes``."""
 
 DEFAULT_MAX_PENDING = 1
 """Snapshots a writer holds at once by default (one staging buffer each)."""
@@ -136,7 +136,8 @@ slow store) is not taken for dead."""
 
 JOIN_SECONDS = 120.0
 """How long the ranks of a save wait for a live rank that has not called save() for the
-same step (``if rank == 0: save()``), before the save fails naming it."""
+same step (``if rank == 0: save()``), before the save fails naming it. The default of
+a writer's ``join_seconds``."""
 
 POLL_SECONDS = 0.05
 """Longest pause between two looks at the store while a rank waits for the others (the

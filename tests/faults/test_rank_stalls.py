@@ -147,7 +147,7 @@ def test_a_save_refused_on_one_rank_fails_the_others_at_once_and_a_retry_saves(
     assert refused["error"] == "UnsupportedValueError"
     assert waited["error"] == "RankFailedError"
     assert "its save() was refused" in waited["message"]
-    assert waited["seconds"] < 20  # JOIN_SECONDS is 60 in this job
+    assert waited["seconds"] < 20  # the writer's join_seconds is 60 in this job
     retried = [_report(out, r, "last") for r in range(WORLD)]
     assert all(r["ok"] for r in retried), retried
     assert _steps(root) == [2]

@@ -181,8 +181,7 @@ def test_exception_mid_multipart_upload_aborts(
         return sink
 
     monkeypatch.setattr(S3Store, "open_file", open_file)
-    monkeypatch.setattr(checkpointd.tunables, "CHUNK_BYTES", 2**20)
-    with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
+    with checkpointd.CheckpointWriter(root, storage_options=options, chunk_bytes=2**20) as writer:
         writer.save(2, _state(2))
         with pytest.raises(Boom):
             writer.wait()

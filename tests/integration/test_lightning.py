@@ -187,6 +187,12 @@ def test_same_path_saved_twice_keeps_the_newest(tmp_path: Path) -> None:
         CheckpointdIO(keep_last=3)
 
 
+def test_a_bad_writer_option_is_refused_when_the_plugin_is_made() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_pending must be a positive int, not 0"):
+        CheckpointdIO(max_pending=0)
+    assert CheckpointdIO(max_concurrency=2, chunk_bytes=2**20).options.keep_last == 1
+
+
 def test_top_k_rotation_reuses_one_staging_buffer_and_deletes_in_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpointd
+from checkpointd.daemon.priority import io_priority
 from checkpointd.errors import InvalidArgumentError, ServiceError
 from tests.support.service import (
     Service,
@@ -91,9 +92,58 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
 def test_unsupported_options_are_refused_clearly(service: Service, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="AsyncCheckpointWriter"):
         checkpointd.AsyncCheckpointWriter(str(tmp_path), service=service.socket)
-    for options in ({"incremental": True}, {"staging": "overlapped"}):
-        with pytest.raises(InvalidArgumentError, match="does not support"):
-            checkpointd.CheckpointWriter(str(tmp_path), service=service.socket, **options)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="does not support"):
+        checkpointd.CheckpointWriter(str(tmp_path), service=service.socket, staging="overlapped")
+
+
+def _frozen_and_moving(step: int) -> dict[str, object]:
+    """Four frozen 64 KiB tensors (referenced once written) and an adapter that changes."""
+    frozen = torch.Generator().manual_seed(1234)
+    moving = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            **{f"base{i}": torch.randn(128, 128, generator=frozen) for i in range(4)},
+            "lora": torch.randn(128, 128, generator=moving),
+        },
+        "meta": {"step": step},
+    }
+
+
+def _blob_names(root: Path) -> set[str]:
+    return {p.name for p in (root / "blobs").iterdir() if not p.name.startswith(".")}
+
+
+def test_incremental_saves_write_the_same_files_as_in_process(
+    service: Service, tmp_path: Path
+) -> None:
+    infos: dict[str, list[checkpointd.CheckpointInfo]] = {}
+    for name, where in (("inproc", None), ("svc", service.socket)):
+        root = str(tmp_path / name)
+        with checkpointd.CheckpointWriter(root, incremental=True, service=where) as writer:
+            infos[name] = [
+                writer.save(step, _frozen_and_moving(step)).result(30) for step in (1, 2, 3)
+            ]
+    frozen = 4 * 128 * 128 * 4
+    assert [i.referenced_nbytes for i in infos["svc"]] == [0, frozen, frozen]
+    assert [i.referenced_nbytes for i in infos["svc"]] == [
+        i.referenced_nbytes for i in infos["inproc"]
+    ]
+    assert [i.written_nbytes for i in infos["svc"]] == [i.written_nbytes for i in infos["inproc"]]
+    assert _blob_names(tmp_path / "svc") == _blob_names(tmp_path / "inproc")
+    for step in (1, 2, 3):
+        assert files_by_component(tmp_path / "svc", step) == files_by_component(
+            tmp_path / "inproc", step
+        )
+        loaded = checkpointd.load(str(tmp_path / "svc"), step)
+        expected = _frozen_and_moving(step)["model"]
+        assert all(torch.equal(loaded.state["model"][k], v) for k, v in expected.items())  # type: ignore[attr-defined]
+    # The memory tier holds whole checkpoints only: one with references reads storage.
+    target = {k: torch.zeros(128, 128) for k in _frozen_and_moving(0)["model"]}  # type: ignore[attr-defined]
+    info = checkpointd.restore(
+        str(tmp_path / "svc"), {"model": target, "meta": {}}, service=service.socket
+    )
+    assert info.source == "storage"
+    assert torch.equal(target["lora"], _frozen_and_moving(3)["model"]["lora"])  # type: ignore[index]
 
 
 def test_no_service_at_a_path_is_a_service_error(tmp_path: Path) -> None:
@@ -127,3 +177,12 @@ def test_status_without_a_service_is_one_clear_line() -> None:
     assert done.returncode == 1
     assert done.stderr.startswith("checkpointd status: error: no checkpoint service answers")
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_the_service_runs_below_the_trainers_priority(service: Service) -> None:
+    # serve's defaults: niceness +10 (from the test's own) and best-effort I/O level 7
+    assert os.getpriority(os.PRIO_PROCESS, service.proc.pid) == os.nice(0) + 10
+    assert io_priority(service.proc.pid) == (2, 7)
+    with running_service("--niceness", "0", "--io-priority", "none") as unchanged:
+        assert os.getpriority(os.PRIO_PROCESS, unchanged.proc.pid) == os.nice(0)
+        assert io_priority(unchanged.proc.pid) == io_priority()

@@ -61,3 +61,13 @@ def test_killed_fsdp2_job_resumes_bit_exact_and_reshards_to_one_rank(tmp_path: P
     # (the per-rank dataloader and RNG are skipped with a warning).
     alone = _run("load", tmp_path / "straight", tmp_path / "out-alone", world=1)
     _assert_same(alone, straight)
+
+
+def test_a_bad_writer_option_is_refused_when_the_config_is_made(tmp_path: Path) -> None:
+    from checkpointd.errors import InvalidArgumentError
+    from checkpointd.integrations.torchtitan import CheckpointdManager
+
+    with pytest.raises(InvalidArgumentError, match="max_pending must be a positive int, not 0"):
+        CheckpointdManager.Config(enable=True, folder=str(tmp_path), max_pending=0)
+    config = CheckpointdManager.Config(enable=True, folder=str(tmp_path), keep_latest_k=2)
+    assert config.writer_options().policy == checkpointd.RetentionPolicy(keep_last=2)

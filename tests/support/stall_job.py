@@ -105,15 +105,15 @@ def main() -> None:
     rank, world = int(rank_s), int(world_s)
     tunables.HEARTBEAT_SECONDS = 0.2
     tunables.STALE_SECONDS = 3.0
-    # A refused save must fail the others at once, not after this long.
-    tunables.JOIN_SECONDS = 60.0 if scenario == "refused_on_one_rank" else 3.0
+    # A refused save must fail the others at once, not after this long (the writer's option).
+    join_seconds = 60.0 if scenario == "refused_on_one_rank" else 3.0
     store = dist.TCPStore("127.0.0.1", int(port), world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     state: dict[str, Any] = {"model": model, "extra": {"table": torch.arange(4096.0)}}
     _arm(scenario, rank)
-    with checkpointd.CheckpointWriter(root, keep_last=1) as writer:
+    with checkpointd.CheckpointWriter(root, keep_last=1, join_seconds=join_seconds) as writer:
         _save(writer, 1, state, out=out, rank=rank, label="first")
         if scenario == "refused_on_one_rank" and rank == 1:
             _save(writer, 2, {**state, "bad": object()}, out=out, rank=rank, label="middle")

@@ -23,6 +23,21 @@ def test_combined_crc32c_is_the_crc32c_of_the_concatenation(first: int, second: 
     assert combined == reference.crc32c(a + b)
 
 
+@pytest.mark.parametrize("power", [29, 31, 40])
+def test_combine_with_a_second_part_of_2_to_the_29_bytes_or_more(power: int) -> None:
+    # Appending zeros twice must equal appending them once: the shift by 2^power bytes
+    # is built from x^(2^k) for k up to power + 3 (a zlib-style table of 32 entries
+    # reused modulo 32 is wrong for CRC32C's polynomial from 2^29 bytes on).
+    start = reference.crc32c(b"checkpointd")
+    zeros = reference.crc32c(bytes(1 << 20))
+    twice = crc32c_combine(crc32c_combine(start, 0, 1 << (power - 1)), 0, 1 << (power - 1))
+    assert twice == crc32c_combine(start, 0, 1 << power)
+    halves = crc32c_combine(crc32c_combine(start, 0, 1 << power), zeros, 1 << 20)
+    assert halves == crc32c_combine(
+        start, crc32c_combine(0, zeros, 1 << 20), (1 << power) + (1 << 20)
+    )
+
+
 def test_prefault_keeps_the_contents() -> None:
     data = torch.arange(1 << 20, dtype=torch.int32)
     prefault(data.data_ptr() + 3, data.numel() * 4 - 3)

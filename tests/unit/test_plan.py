@@ -83,7 +83,9 @@ def test_commit_writes_any_plan_it_is_given(tmp_path: Path) -> None:
     identity = WriterIdentity()
 
     async def commit() -> CheckpointInfo:
-        return await commit_plan(store, plan, anyio.CapacityLimiter(2), identity=identity)
+        return await commit_plan(
+            store, plan, anyio.CapacityLimiter(2), identity=identity, chunk_bytes=2**20
+        )
 
     info = anyio.run(commit)
 
@@ -101,7 +103,7 @@ def test_a_planned_snapshot_commits_and_loads(tmp_path: Path) -> None:
     plan = plan_snapshot(_snapshot(3))
 
     async def commit() -> None:
-        await commit_plan(store, plan, anyio.CapacityLimiter(4))
+        await commit_plan(store, plan, anyio.CapacityLimiter(4), chunk_bytes=2**20)
 
     anyio.run(commit)
     checkpoint = load(str(tmp_path))
@@ -165,7 +167,9 @@ def test_commit_writes_new_blobs_and_checks_kept_ones(tmp_path: Path) -> None:
 
     def commit(step: int, copy: bytes | None) -> CheckpointInfo:
         async def run() -> CheckpointInfo:
-            return await commit_plan(store, plan(step, copy), anyio.CapacityLimiter(2))
+            return await commit_plan(
+                store, plan(step, copy), anyio.CapacityLimiter(2), chunk_bytes=2**20
+            )
 
         return anyio.run(run)
 

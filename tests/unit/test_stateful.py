@@ -15,6 +15,7 @@ from torch import nn
 
 import checkpointd
 from checkpointd.state.fit import check_state
+from checkpointd.state.loading import load_component
 from checkpointd.state.stateful import component_state, unwrap
 from tests.conftest import Root
 
@@ -326,3 +327,18 @@ def test_a_sampler_for_another_partition_is_refused(
     with pytest.raises(checkpointd.RestoreMismatchError, match=option):
         _restore(memory_root, {"loader": other})
     assert other.epoch == 0
+
+
+def test_load_component_errors_name_the_component() -> None:
+    """Each refusal says which component it is about, not "optimizer" or "?"."""
+    model = nn.Linear(2, 2)
+    adam = torch.optim.Adam(model.parameters())
+    by_name = {"state": {}, "param_groups": [{"params": ["weight", "bias"], "lr": 0.1}]}
+    with pytest.raises(checkpointd.RestoreMismatchError, match=r"^adam: .*saved by parameter name"):
+        load_component("adam", adam, by_name, {})
+    with pytest.raises(checkpointd.RestoreMismatchError, match=r"component 'answer' \(int\)"):
+        load_component("answer", 42, 41)
+    with pytest.raises(checkpointd.RestoreMismatchError, match=r"component 'loader'.*num_replicas"):
+        load_component("loader", _sampler(num_replicas=3), component_state(_sampler(), "loader"))
+    with pytest.raises(checkpointd.RestoreMismatchError, match=r"component 'ema'.*\[3\]"):
+        load_component("ema", torch.zeros(2), torch.zeros(3))

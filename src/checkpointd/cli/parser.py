@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_service(commands: Any) -> None:
     """The ``serve`` and ``status`` subcommands (the checkpoint service)."""
+    from checkpointd.daemon.priority import DEFAULT_IO_LEVEL, DEFAULT_NICENESS
+
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", help="show tracebacks on failure")
     socket_help = (
@@ -187,6 +189,20 @@ def _add_service(commands: Any) -> None:
         type=float,
         metavar="SECONDS",
         help="exit after this long with no client and nothing pending (default: never)",
+    )
+    serve.add_argument(
+        "--niceness",
+        type=int,
+        default=DEFAULT_NICENESS,
+        choices=range(20),
+        metavar="N",
+        help="CPU niceness added to the service's (default 10: below training; 0: unchanged)",
+    )
+    serve.add_argument(
+        "--io-priority",
+        default=str(DEFAULT_IO_LEVEL),
+        choices=[*"01234567", "idle", "none"],
+        help="I/O priority: best-effort level 0-7, idle, or none (default 7, the lowest level)",
     )
     status = commands.add_parser(
         "status", parents=[debug], help="what the checkpoint service is doing"

@@ -14,9 +14,11 @@ __all__ = ["cmd_serve", "cmd_status"]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from checkpointd.daemon.paths import default_socket, parse_size
+    from checkpointd.daemon.priority import lower_priority
     from checkpointd.daemon.server import serve
 
     limit = None if args.memory_limit is None else parse_size(args.memory_limit)
+    lower_priority(args.niceness, args.io_priority)
     serve(
         args.socket or default_socket(),
         memory_limit=limit,

@@ -7,10 +7,15 @@ writing them even if the training process dies (README, "The checkpoint service"
 - memtier.py: committed checkpoints held in memory, and the read-only Store over them
 - snapshot.py: a captured Snapshot described for the service and rebuilt there, and
   what the memory tier keeps of it once committed
-- server.py: the service process (``checkpointd serve``)
+- memory.py: the shared memory the service holds, its limit, and lending to restores
+- conn.py: one client connection as the service sees it
+- saves.py: the writers opened through the service and their saves
+- server.py: the service process (``checkpointd serve``): connections and requests
+- priority.py: the service's lower CPU and I/O priority
+- follow.py: a many-rank save whose service died, followed to its one outcome
 - client.py: a connection to the service, and starting one (``service="auto"``)
 - remote.py: the writer's side of a save through the service
 - recall.py: ``restore(..., service=...)`` from the memory tier
 
-paths, protocol, shm, memtier and client import no torch (``checkpointd status``).
+paths, protocol, shm, memtier, memory, priority and client import no torch (``checkpointd status``).
 """

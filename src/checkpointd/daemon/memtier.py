@@ -173,11 +173,14 @@ class MemoryStore(Store):
 
     def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
         head, body = self._parts(path)
-        want = len(buffer)
-        if offset + want > len(head) + len(body):
-            raise StorageError(errno.EIO, f"{self.url}/{path}: read past the end")
-        for chunk_start, chunk in _chunks(head, body, offset, want):
-            buffer[chunk_start : chunk_start + len(chunk)] = chunk
+        _HeldFile(f"{self.url}/{path}", head, body).read_into(buffer, offset)
+
+    def open_pinned(self, path: str) -> _HeldFile:
+        """The held file, in memory: nothing writes a held segment while a client has it
+        (the service lends it until the client's connection ends), so restore checks its
+        bytes where they lie and lands them in one copy (``storage.MappedFile``)."""
+        head, body = self._parts(path)
+        return _HeldFile(f"{self.url}/{path}", head, body)
 
     def list_dir(self, path: str) -> list[str]:
         prefix = f"{path}/" if path else ""
@@ -198,3 +201,26 @@ def _chunks(
     if rest:
         start = max(0, offset - len(head))
         yield at, body[start : start + rest]
+
+
+class _HeldFile:
+    """One held file (a head, then a range of the segment): ``storage.MappedFile``."""
+
+    def __init__(self, where: str, head: bytes, body: memoryview) -> None:
+        self._where = where
+        self._head = head
+        self._body = body
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        if offset < 0 or length < 0 or offset + length > len(self._head) + len(self._body):
+            raise StorageError(errno.EIO, f"{self._where}: read past the end")
+        return [view for _, view in _chunks(self._head, self._body, offset, length) if view]
+
+    def read_into(self, buffer: memoryview, offset: int = 0) -> None:
+        at = 0
+        for view in self.views(offset, len(buffer)):
+            buffer[at : at + len(view)] = view
+            at += len(view)
+
+    def close(self) -> None:
+        """Nothing to close: the mapping is the restoring client's (recall.py)."""

@@ -23,6 +23,7 @@ from anyio.abc import ByteReceiveStream
 
 from checkpointd.errors import ServiceError
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
+from checkpointd.ranks.hosted import HostedGroup
 
 __all__ = [
     "MAX_FRAME",
@@ -92,6 +93,9 @@ class OpenWriter(_Msg):
     max_pending: int = 1
     max_concurrency: int = 8
     newer_steps: str = "error"
+    incremental: bool = False
+    group: HostedGroup | None = None
+    """A many-rank writer's group (ranks/hosted.py); None: the writer saves alone."""
 
 
 class Alloc(_Msg):
@@ -138,6 +142,8 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metadata: dict[str, Any]
     specs: dict[str, SpecEntry] = msgspec.field(default_factory=dict)
     per_rank: dict[str, str] = msgspec.field(default_factory=dict)
+    attempt: int = 0
+    rank: int = 0
 
 
 class Submit(_Msg):

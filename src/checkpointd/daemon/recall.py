@@ -7,79 +7,89 @@ byte for byte the one on storage now (so a step replaced or re-committed by
 someone else is never served from memory), and then read through
 ``MemoryStore`` by restore's own reader, which checks sizes and CRC32Cs against
 that manifest before a byte is used. Anything else (no service, not held, a
-mismatch, a damaged copy) falls back to storage. Imports torch (via restore).
+mismatch, a damaged copy) falls back to storage. This module only finds the held
+copy; read/restore.py restores from it (so it does not import restore back).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from checkpointd.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ServiceError,
-    StorageError,
-)
+from checkpointd.errors import ServiceError, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
-from checkpointd.read.restore import RestoreInfo, restore_from
-from checkpointd.storage import open_store
+from checkpointd.storage import Store, open_store
 from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
-from .client import connect
+from .client import Connection, connect
 from .memtier import MemoryStore
 from .shm import map_fd
 
-__all__ = ["restore_held"]
+__all__ = ["held_copy"]
 
 
-def restore_held(
+@contextlib.contextmanager
+def held_copy(
     root: str,
-    targets: Mapping[str, Any],
     step: int | None,
     *,
     storage_options: Mapping[str, Any] | None,
-    strict: bool,
     service: str,
-    place: tuple[int, int] = (0, 1),
-) -> RestoreInfo | None:
-    """Restore from the service's memory tier, or None where storage must be read;
-    ``place`` as for ``restore_from``."""
+) -> Iterator[tuple[Store, int] | None]:
+    """The service's in-memory copy of the step to restore (the newest committed one on
+    storage, or ``step``) as a read-only store and that step, or None where storage
+    must be read. The service lends the copy until the block ends; then it is unmapped."""
     store = open_store(root, storage_options)
     try:
         found = newest_committed(store) if step is None else step
-        if found is None:
-            return None
-        try:
-            manifest = store.read_bytes(f"{step_dirname(found)}/{MANIFEST_NAME}")
-        except StorageError:
-            return None
+        manifest = None
+        if found is not None:
+            with contextlib.suppress(StorageError):
+                manifest = store.read_bytes(f"{step_dirname(found)}/{MANIFEST_NAME}")
     finally:
         store.close()
+    if found is None or manifest is None:
+        yield None
+        return
     try:
         conn = connect(service, start=False)
     except ServiceError:
-        return None
+        yield None
+        return
+    try:  # the service lends the segment until this connection ends: close it last
+        with _lent(conn, store.url, root, found, manifest, storage_options) as held:
+            yield held
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _lent(  # noqa: PLR0917 - held_copy's own values, passed on
+    conn: Connection,
+    url: str,
+    root: str,
+    found: int,
+    manifest: bytes,
+    storage_options: Mapping[str, Any] | None,
+) -> Iterator[tuple[Store, int] | None]:
+    """``held_copy`` once storage named the step: ask for it and map it read-only."""
     try:
         options = None if storage_options is None else dict(storage_options)
         reply, fd = conn.request(p.Lookup, root=root, storage_options=options, step=found)
     except ServiceError:
-        return None
-    finally:
-        conn.close()
+        yield None
+        return
     if not isinstance(reply, p.Held) or fd is None:
-        return None
-    mapped = map_fd(fd, reply.size, writable=False)
+        yield None
+        return
+    mapped = map_fd(fd, reply.size, writable=False, populate=False)
     try:
         if reply.manifest != manifest:
-            return None  # storage's step is not the one the service committed
-        held = MemoryStore.over(store.url, step_dirname(found), manifest, reply.files, mapped)
-        try:
-            return restore_from(held, targets, found, strict, source="memory", place=place)
-        except (CorruptCheckpointError, CheckpointNotFoundError):
-            return None  # a damaged or partial copy: storage decides
+            yield None  # storage's step is not the one the service committed
+        else:
+            yield MemoryStore.over(url, step_dirname(found), manifest, reply.files, mapped), found
     finally:
         with contextlib.suppress(BufferError):
             mapped.close()

@@ -29,6 +29,7 @@ from checkpointd.errors import InvalidArgumentError, ServiceError
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
@@ -37,27 +38,28 @@ from .shm import map_fd
 from .snapshot import describe
 
 if TYPE_CHECKING:
-    from checkpointd.write.writer_base import WriterBase
+    from checkpointd.ranks.group import Group
 
 __all__ = ["RemoteService", "open_remote"]
 
 
 def open_remote(
-    writer: WriterBase, max_pending: int, max_concurrency: int, *, pooled: bool = False
+    root: str, options: WriterOptions, group: Group | None, *, in_callers_loop: bool
 ) -> RemoteService:
-    """The RemoteService of a writer made with ``service=`` (``pooled``: with a
-    ``buffer_pool``); InvalidArgumentError for an option the service does not support
-    yet, ServiceError if no service answers (or, with "auto", none could be started)."""
-    from checkpointd.write.writer import AsyncCheckpointWriter
-
+    """The RemoteService of a writer of ``root`` made with ``service=`` (in ``options``);
+    ``group``: the ranks it saves with, re-keyed for the service (ranks/hosted.py), or
+    None; ``in_callers_loop``: an AsyncCheckpointWriter.
+    InvalidArgumentError for an option the service does not support yet, ServiceError
+    if no service answers (or, with "auto", none could be started)."""
     unsupported = [
         what
         for what, used in (
-            ("many ranks (pass process_group=checkpointd.LOCAL)", writer.world_size > 1),
-            ("incremental=True", writer.incremental),
-            ('staging="overlapped"', writer.staging != "blocking"),
-            ("AsyncCheckpointWriter", isinstance(writer, AsyncCheckpointWriter)),
-            ("buffer_pool (the service's shared memory is its buffers)", pooled),
+            ('staging="overlapped"', options.staging != "blocking"),
+            ("AsyncCheckpointWriter", in_callers_loop),
+            (
+                "buffer_pool (the service's shared memory is its buffers)",
+                options.buffer_pool is not None,
+            ),
         )
         if used
     ]
@@ -66,24 +68,31 @@ def open_remote(
             f"the checkpoint service does not support {', '.join(unsupported)} yet: "
             "use service=None for this writer"
         )
-    assert writer.service is not None
-    options = writer.storage_options
+    service = options.service_path
+    assert service is not None
+    storage_options = options.storage_options
     try:
-        options = None if options is None else msgspec.json.decode(msgspec.json.encode(options))
+        plain = (
+            None
+            if storage_options is None
+            else msgspec.json.decode(msgspec.json.encode(storage_options))
+        )
     except (TypeError, msgspec.EncodeError) as exc:
         raise InvalidArgumentError(
             f"storage_options must be JSON-able to reach the checkpoint service: {exc}"
         ) from None
-    conn = connect(writer.service)
+    conn = connect(service)
     try:
         return RemoteService(
             conn,
-            writer.root,
-            storage_options=options,
-            policy=writer.policy,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-            newer_steps=writer.newer_steps,
+            root,
+            storage_options=plain,
+            policy=options.policy,
+            max_pending=options.max_pending,
+            max_concurrency=options.max_concurrency,
+            newer_steps=options.newer_steps,
+            incremental=options.incremental,
+            group=group,
         )
     except BaseException:
         conn.close()
@@ -186,8 +195,10 @@ class RemoteService:
     thread as with WriteService; handles are resolved by the connection's reader
     thread (a sync writer's handles are thread-safe)."""
 
-    incremental = None
-    group = None
+    incremental: None = None
+    """With ``incremental=True`` the service's write service references unchanged
+    tensors (the same files as in-process); the capture here copies every tensor
+    (no hash instead of a copy: that needs the saver's state, which is the service's)."""
 
     def __init__(
         self,
@@ -199,8 +210,12 @@ class RemoteService:
         max_pending: int,
         max_concurrency: int,
         newer_steps: str,
+        incremental: bool = False,
+        group: Group | None = None,
     ) -> None:
         self.conn = conn
+        self.group = group
+        self._root = (root, storage_options)
         self.newest: int | None = None
         self.loop_thread: int | None = None
         self.failures = Failures()
@@ -209,6 +224,7 @@ class RemoteService:
         self._lock = threading.Lock()
         self._saves: dict[int, SaveHandle] = {}
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
+        self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
         self._mappings = _Mappings()
         conn.on_event = self._event
@@ -225,6 +241,8 @@ class RemoteService:
             max_pending=max_pending,
             max_concurrency=max_concurrency,
             newer_steps=newer_steps,
+            incremental=incremental,
+            group=None if group is None else group.hosted,
         )
         assert isinstance(reply, p.WriterOpened)
         self.writer = reply.writer
@@ -287,10 +305,11 @@ class RemoteService:
             lost = self.conn.lost if early is None else None
             if early is None and lost is None:
                 self._saves[reply.save] = handle
+                self._attempts[reply.save] = snapshot.attempt
         if early is not None:
             self._outcome(handle, early)
         elif lost is not None:
-            self._resolve(handle, None, lost)
+            self._after_loss(handle, snapshot.attempt, lost)
 
     def _resolve(self, handle: SaveHandle, info: Any, error: BaseException | None) -> None:
         if handle.done():
@@ -308,6 +327,7 @@ class RemoteService:
         assert isinstance(message, p.Committed | p.Failed)
         with self._lock:
             handle = self._saves.pop(message.save, None)
+            self._attempts.pop(message.save, None)
             if handle is None:
                 self._early[message.save] = message  # its submit has not registered it yet
                 return
@@ -325,7 +345,15 @@ class RemoteService:
         """Reader thread: the service went away; every pending save fails."""
         with self._lock:
             saves, self._saves = self._saves, {}
-        for handle in saves.values():
+            attempts, self._attempts = self._attempts, {}
+        for save, handle in saves.items():
+            self._after_loss(handle, attempts.get(save, 0), error)
+
+    def _after_loss(self, handle: SaveHandle, attempt: int, error: ServiceError) -> None:
+        """Resolve a save the service did not report on. Alone: it failed (nothing of it
+        is visible). With many ranks this rank follows the attempt's one outcome (the
+        others may have committed it): in a thread of its own, as it may wait."""
+        if self.group is None:
             self._resolve(
                 handle,
                 None,
@@ -334,10 +362,22 @@ class RemoteService:
                     "of it is visible; gc removes what it left)"
                 ),
             )
+            return
+        group, (root, options) = self.group, self._root
+
+        def follow() -> None:
+            from .follow import outcome_after_loss
+
+            info, failure = outcome_after_loss(group, root, options, handle.step, attempt, error)
+            self._resolve(handle, info, failure)
+
+        threading.Thread(target=follow, name="checkpointd-follow", daemon=True).start()
 
     def close_store(self) -> None:
         self.conn.close()
         self._mappings.close()
+        if self.group is not None:
+            self.group.close()  # other ranks now know this rank's writer is gone
 
     def take_unseen_error(self) -> BaseException | None:
         return self.failures.take_first()

@@ -2,91 +2,42 @@
 
 One anyio event loop (asyncio). Each connection is served by a task of its own,
 so a client that sends garbage, stalls inside a frame or hangs up only ends its
-own connection. Each writer that opens through the service gets a write service
-of today's kind (``write.loop.WriteService``: plan, commit protocol, retention)
-whose snapshots live in the segments the trainers captured into. A submitted
-save belongs to the service: it commits whether or not its client is still
-there. Segments allocated and never submitted are freed when their connection
-ends (a trainer killed while copying). Imports torch.
+own connection. Its writers and their saves are saves.py's; the shared memory
+they use, the memory limit and lending are memory.py's. Imports torch (saves).
 
 Who owns what: a segment is the connection's from ``Alloc`` until ``Submit``
 (or ``Free``), then the save's until it resolves, then the memory tier's (if it
-committed and the tier keeps it) until evicted. ``memory_limit`` bounds the sum.
+committed and the tier keeps it) until evicted; a held segment lent to a
+restoring client stays until that client's connection ends. ``memory_limit``
+bounds the sum.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
-import anyio.to_thread
-import torch
-from anyio.abc import SocketAttribute, SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketStream
 
 from checkpointd import errors
-from checkpointd.errors import CheckpointError, ServiceMemoryError
-from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.storage import open_store
-from checkpointd.write.handle import SaveHandle, first_leaf
-from checkpointd.write.loop import WriteService, newest_committed
-from checkpointd.write.plan import Snapshot
+from checkpointd.errors import CheckpointError
 
 from . import protocol as p
+from .conn import Conn
+from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
 from .paths import lock_or_fail, peer_uid, prepare_folder, remove_stale
-from .shm import MappedSegment, readonly_fd
-from .snapshot import held_checkpoint, rebuild
+from .saves import Saves
+from .shm import readonly_fd
 
 __all__ = ["Server", "serve"]
 
 _log = logging.getLogger("checkpointd.write.loop")
-
-
-class HostedWriteService(WriteService):
-    """Today's write service, for snapshots in segments: they are not the pool's, the
-    server frees or keeps them once the save resolves."""
-
-    def release_buffer(self, buffer: Any) -> None:
-        """Not returned to the pool: the memory tier may keep the segment's bytes, or
-        ``Server._finish`` frees them, once the save has resolved."""
-
-
-@dataclass
-class _Writer:
-    ident: int
-    key: str
-    service: HostedWriteService
-    conn: _Conn | None
-    pending: int = 0
-
-
-@dataclass
-class _Conn:
-    stream: SocketStream
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    open: bool = True
-    owned: dict[int, MappedSegment] = field(default_factory=dict)
-
-    async def send(self, message: p.Message, fds: list[int] | None = None) -> None:
-        if not self.open:
-            return
-        frame = p.encode(message)
-        async with self.lock:
-            try:
-                if fds:
-                    await self.stream.send_fds(frame, fds)  # type: ignore[attr-defined]
-                else:
-                    await self.stream.send(frame)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                self.open = False
 
 
 class Server:
@@ -103,75 +54,18 @@ class Server:
         self.socket_path = os.path.abspath(socket_path)
         self.memory_limit = memory_limit
         self.idle_exit = idle_exit
-        self.tier = MemoryTier(keep_in_memory, self._release)
-        self.segments: dict[int, MappedSegment] = {}
-        self._spare: MappedSegment | None = None
-        """The last freed segment, kept for the next save of a similar size: a fresh
-        memfd costs a page fault and a zeroed page per 4 KiB on first touch."""
-        self.writers: dict[int, _Writer] = {}
+        self.memory = SharedMemory(memory_limit)
+        self.tier = MemoryTier(keep_in_memory, self.memory.release)
+        self.memory.evict = self.tier.evict_oldest
+        self.saves: Saves | None = None
         self.clients = 0
-        self.in_flight = 0
-        self.committed = 0
-        self.failed = 0
-        self._ids = itertools.count(1)
-        self._freed = anyio.Event()
         self._quiet_since = time.monotonic()
-        self._group: TaskGroup | None = None
-
-    # -- memory -----------------------------------------------------------------
-
-    @property
-    def bytes_held(self) -> int:
-        """Every byte of shared memory held: staged, kept and the spare."""
-        spare = 0 if self._spare is None else self._spare.capacity
-        return sum(s.capacity for s in self.segments.values()) + spare
-
-    def _release(self, segment: MappedSegment) -> None:
-        if segment.ident in self.segments:
-            del self.segments[segment.ident]
-            if self._spare is not None:
-                self._spare.close()
-            self._spare = segment
-            self._freed.set()
-            self._freed = anyio.Event()
-
-    def _drop_spare(self) -> bool:
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
-        return spare is not None
-
-    async def _allocate(self, nbytes: int) -> MappedSegment:
-        """A new segment of ``nbytes``: evicts held checkpoints, then waits, while it would
-        pass the memory limit; ServiceMemoryError if it can never fit."""
-        limit = self.memory_limit
-        if nbytes < 0:
-            raise p.ProtocolError(f"a segment of {nbytes} bytes was asked for")
-        if limit is not None and nbytes > limit:
-            raise ServiceMemoryError(
-                f"this save needs {nbytes} bytes of shared memory; the service's "
-                f"--memory-limit is {limit}: it can never fit (raise the limit)"
-            )
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if nbytes > physical:
-            raise ServiceMemoryError(
-                f"this save needs {nbytes} bytes of shared memory; this machine has "
-                f"{physical}: it can never fit"
-            )
-        spare = self._spare
-        if spare is not None and nbytes <= spare.capacity <= 2 * max(nbytes, 1):
-            self._spare = None
-            segment = spare.reuse(next(self._ids), nbytes)
-            self.segments[segment.ident] = segment
-            return segment
-        while limit is not None and self.bytes_held + nbytes > limit:
-            if not (self._drop_spare() or self.tier.evict_oldest()):
-                await self._freed.wait()  # a save in flight resolves, or a client frees
-        segment = MappedSegment(next(self._ids), nbytes)
-        self.segments[segment.ident] = segment
-        return segment
 
     # -- the process ------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self.saves is None else self.saves.in_flight
 
     async def run(self) -> None:
         """Listen until SIGTERM/SIGINT (or ``idle_exit``), then finish saves in flight."""
@@ -183,18 +77,18 @@ class Server:
             os.chmod(folder, 0o700)
             _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
             async with anyio.create_task_group() as group:
-                self._group = group
+                self.saves = Saves(self.memory, self.tier, group)
                 with anyio.CancelScope() as listening:
                     group.start_soon(self._watch, listening)
                     await listener.serve(self._connection, task_group=group)
                 await listener.aclose()
-                await self._drain()
+                await self.saves.drain()
                 group.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
             self.tier.clear()
-            self._drop_spare()
+            self.memory.close()
             os.close(lock)
         _log.info("stopped")
 
@@ -223,15 +117,8 @@ class Server:
                 group.cancel_scope.cancel()
         listening.cancel()
 
-    async def _drain(self) -> None:
-        """Let every writer finish its queue (saves already submitted commit)."""
-        for writer in list(self.writers.values()):
-            await writer.service.stop()
-        while self.in_flight:
-            await self._freed.wait()  # set as each save resolves
-
     async def _connection(self, stream: SocketStream) -> None:
-        conn = _Conn(stream)
+        conn = Conn(stream)
         raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         try:
             uid = peer_uid(raw)
@@ -243,58 +130,64 @@ class Server:
             await stream.aclose()
             return
         self.clients += 1
-        buffer = bytearray()
         try:
-            while True:
-                try:
-                    message = await p.read_async(stream, buffer)
-                except p.ProtocolError as exc:
-                    await conn.send(p.Error(0, "ProtocolError", str(exc)))
-                    break
-                if message is None:
-                    break
-                try:
-                    await self._handle(conn, message)
-                except p.ProtocolError as exc:
-                    await conn.send(p.Error(getattr(message, "id", 0), "ProtocolError", str(exc)))
-                    break
-                except CheckpointError as exc:
-                    await conn.send(
-                        p.Error(getattr(message, "id", 0), type(exc).__name__, str(exc))
-                    )
-                except Exception as exc:  # a bug or an OS failure: this client only
-                    _log.exception("request %s failed", type(message).__name__)
-                    why = f"the service failed this request ({type(exc).__name__}: {exc})"
-                    await conn.send(p.Error(getattr(message, "id", 0), "ServiceError", why))
-                    break
+            await self._serve(conn)
         finally:
             conn.open = False
             for segment in list(conn.owned.values()):
-                self._release(segment)  # captured into but never submitted
+                self.memory.release(segment)  # captured into but never submitted
             conn.owned.clear()
-            for writer in list(self.writers.values()):
-                if writer.conn is conn:
-                    writer.conn = None
-                    self._retire(writer)
+            for segment in conn.borrowed:
+                self.memory.give_back(segment)
+            conn.borrowed.clear()
+            assert self.saves is not None
+            self.saves.client_gone(conn)
             self.clients -= 1
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    async def _handle(self, conn: _Conn, message: p.Message) -> None:
+    async def _serve(self, conn: Conn) -> None:
+        """Answer ``conn``'s requests until it ends or breaks the protocol."""
+        buffer = bytearray()
+        while True:
+            try:
+                message = await p.read_async(conn.stream, buffer)
+            except p.ProtocolError as exc:
+                await conn.send(p.Error(0, "ProtocolError", str(exc)))
+                return
+            if message is None:
+                return
+            ident = getattr(message, "id", 0)
+            try:
+                await self._handle(conn, message)
+            except p.ProtocolError as exc:
+                await conn.send(p.Error(ident, "ProtocolError", str(exc)))
+                return
+            except CheckpointError as exc:
+                await conn.send(p.Error(ident, type(exc).__name__, str(exc)))
+            except Exception as exc:  # a bug or an OS failure: this client only
+                _log.exception("request %s failed", type(message).__name__)
+                why = f"the service failed this request ({type(exc).__name__}: {exc})"
+                await conn.send(p.Error(ident, "ServiceError", why))
+                return
+
+    async def _handle(self, conn: Conn, message: p.Message) -> None:
+        saves = self.saves
+        assert saves is not None
         match message:
             case p.OpenWriter():
-                writer = await self._open_writer(conn, message)
+                writer = await saves.open_writer(conn, message)
                 await conn.send(p.WriterOpened(message.id, writer.ident))
             case p.Alloc(id=ident, nbytes=nbytes):
-                segment = await self._allocate(nbytes)
+                segment = await self.memory.allocate(nbytes)
                 conn.owned[segment.ident] = segment
                 await conn.send(p.Segment(ident, segment.ident, nbytes), [segment.fd])
             case p.Free(id=ident, segment=number):
                 if (freed := conn.owned.pop(number, None)) is not None:
-                    self._release(freed)
+                    self.memory.release(freed)
                 await conn.send(p.Ok(ident))
             case p.Submit():
-                await self._submit(conn, message)
+                await saves.submit(conn, message)
             case p.Lookup():
                 await self._lookup(conn, message)
             case p.Status(id=ident):
@@ -302,127 +195,16 @@ class Server:
             case _:
                 raise p.ProtocolError(f"a {type(message).__name__} is not a request")
 
-    async def _open_writer(self, conn: _Conn, message: p.OpenWriter) -> _Writer:
-        if message.newer_steps not in ("error", "keep", "discard"):
-            raise errors.InvalidArgumentError(f"newer_steps {message.newer_steps!r}")
-        if message.best_mode not in ("min", "max"):
-            raise errors.InvalidArgumentError(f"best_mode {message.best_mode!r}")
-        policy = RetentionPolicy(
-            message.keep_last,
-            message.keep_every,
-            message.keep_best,
-            message.best_metric,
-            message.best_mode,  # type: ignore[arg-type]
-        )
-        if not 1 <= message.max_pending <= 64 or not 1 <= message.max_concurrency <= 256:
-            raise errors.InvalidArgumentError("max_pending or max_concurrency out of range")
-        store = await anyio.to_thread.run_sync(open_store, message.root, message.storage_options)
-        service = HostedWriteService(
-            store,
-            policy,
-            message.max_pending,
-            message.max_concurrency,
-            message.newer_steps,  # type: ignore[arg-type]
-        )
-        service.newest = await anyio.to_thread.run_sync(newest_committed, store)
-        assert self._group is not None
-        await self._group.start(service.run)
-        writer = _Writer(
-            next(self._ids), root_key(message.root, message.storage_options), service, conn
-        )
-        self.writers[writer.ident] = writer
-        return writer
-
-    def _retire(self, writer: _Writer) -> None:
-        """A writer whose client is gone and nothing pending: stop its service."""
-        if writer.conn is None and writer.pending == 0 and writer.ident in self.writers:
-            del self.writers[writer.ident]
-            assert self._group is not None
-
-            async def stop() -> None:
-                await writer.service.stop()
-                writer.service.close_store()
-
-            self._group.start_soon(stop)
-
-    async def _submit(self, conn: _Conn, message: p.Submit) -> None:
-        writer = self.writers.get(message.writer)
-        if writer is None or writer.conn is not conn:
-            raise p.ProtocolError(f"writer {message.writer} is not this connection's")
-        segment = conn.owned.get(message.segment)
-        if segment is None:
-            raise p.ProtocolError(f"segment {message.segment} is not this connection's")
-        arena = torch.frombuffer(segment.map, dtype=torch.uint8, count=max(segment.size, 1))
-        snapshot = rebuild(message.snapshot, arena[: segment.size])
-        del conn.owned[message.segment]  # the save owns it now
-        save = next(self._ids)
-        handle = SaveHandle(
-            snapshot.step, time.perf_counter(), anyio.Event(), failures=writer.service.failures
-        )
-        writer.pending += 1
-        self.in_flight += 1
-        try:
-            await writer.service.submit(snapshot, handle)
-        except BaseException:
-            writer.pending -= 1
-            self.in_flight -= 1
-            self._release(segment)
-            raise
-        await conn.send(p.Accepted(message.id, save))
-        assert self._group is not None
-        self._group.start_soon(self._finish, writer, save, handle, snapshot, segment)
-
-    async def _finish(
-        self,
-        writer: _Writer,
-        save: int,
-        handle: SaveHandle,
-        snapshot: Snapshot,
-        segment: MappedSegment,
-    ) -> None:
-        """Once a save resolves: tell its client (if still there), keep or free its segment."""
-        try:
-            try:
-                info = await handle.wait()
-            except Exception as exc:
-                error = first_leaf(exc)
-                self.failed += 1
-                _log.warning("step %d of %s failed: %s", snapshot.step, writer.key, error)
-                self._release(segment)
-                if writer.conn is not None:
-                    await writer.conn.send(p.Failed(save, type(error).__name__, str(error)))
-                return
-            self.committed += 1
-            try:
-                held = await anyio.to_thread.run_sync(
-                    held_checkpoint, writer.service, snapshot, segment
-                )
-            except Exception as exc:  # reading the manifest back failed: do not hold it
-                _log.warning("not holding step %d in memory: %r", snapshot.step, exc, exc_info=True)
-                held = None
-            if held is None:
-                self._release(segment)
-            else:
-                self.tier.add(writer.key, held)
-            if writer.conn is not None:
-                await writer.conn.send(p.Committed(save, info))
-            while (later := writer.service.failures.take_first()) is not None:
-                if writer.conn is not None:
-                    await writer.conn.send(p.Notice(writer.ident, type(later).__name__, str(later)))
-        finally:
-            writer.pending -= 1
-            self.in_flight -= 1
-            self._retire(writer)
-            self._freed.set()
-            self._freed = anyio.Event()
-
-    async def _lookup(self, conn: _Conn, message: p.Lookup) -> None:
+    async def _lookup(self, conn: Conn, message: p.Lookup) -> None:
+        """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
         held = self.tier.find(root_key(message.root, message.storage_options), message.step)
         if held is None:
             await conn.send(p.NotHeld(message.id))
             return
         fd = readonly_fd(held.segment.fd)
         try:
+            self.memory.lend(held.segment)
+            conn.borrowed.append(held.segment)
             reply = p.Held(message.id, held.step, held.manifest, held.files, held.segment.size)
             await conn.send(reply, [fd])
         finally:
@@ -430,18 +212,18 @@ class Server:
 
     def status(self, ident: int) -> p.StatusReply:
         kept = self.tier.nbytes
-        spare = 0 if self._spare is None else self._spare.capacity
+        saves = self.saves
         return p.StatusReply(
             id=ident,
             pid=os.getpid(),
             saves_in_flight=self.in_flight,
-            bytes_staged=self.bytes_held - kept - spare,
+            bytes_staged=self.memory.held - kept - self.memory.spare,
             bytes_kept=kept,
             memory_limit=self.memory_limit,
             kept=self.tier.steps(),
             clients=self.clients - 1,  # not counting the one asking
-            committed=self.committed,
-            failed=self.failed,
+            committed=0 if saves is None else saves.committed,
+            failed=0 if saves is None else saves.failed,
         )
 
 

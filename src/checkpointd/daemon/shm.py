@@ -64,15 +64,18 @@ def readonly_fd(fd: int) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
-def map_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:
-    """Map a received segment fd (then closed); ServiceError if it is not ``size`` bytes."""
+def map_fd(fd: int, size: int, *, writable: bool, populate: bool = True) -> mmap.mmap:
+    """Map a received segment fd (then closed); ServiceError if it is not ``size`` bytes.
+
+    ``populate``: set up every page at once (MAP_POPULATE), for a segment written
+    page by page; a segment read once in order is faster faulted in as it is read
+    (the kernel maps the pages around each fault)."""
     try:
         actual = os.fstat(fd).st_size
         if actual < max(size, 1):
             raise ServiceError(f"a segment of {actual} bytes came where {size} were announced")
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        # MAP_POPULATE: the pages are mapped in one go, not faulted in one by one
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
     finally:
         os.close(fd)

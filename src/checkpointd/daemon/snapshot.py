@@ -67,6 +67,8 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         metadata=snapshot.metadata,
         specs=snapshot.specs,
         per_rank=snapshot.per_rank,
+        attempt=snapshot.attempt,
+        rank=snapshot.rank,
     )
 
 
@@ -105,6 +107,8 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
             dict(desc.metadata),
             specs=dict(desc.specs),
             per_rank=dict(desc.per_rank),
+            attempt=desc.attempt,
+            rank=desc.rank,
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None

@@ -34,8 +34,11 @@ def _multmodp(a: int, b: int) -> int:
 
 
 def _x2n_table() -> list[int]:
+    """x^(2^k) modulo the polynomial for k = 0..63. Not 32 entries reused modulo 32 as
+    in zlib: that holds for CRC-32's polynomial, not for CRC32C's (it gave wrong
+    results for a second part of 2^29 bytes or more)."""
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(64):
         table.append(p)
         p = _multmodp(p, p)
     return table
@@ -52,7 +55,7 @@ def _shift(length: int) -> int:
         p, n, k = 1 << 31, length, 3
         while n:
             if n & 1:
-                p = _multmodp(_X2N[k & 31], p)
+                p = _multmodp(_X2N[k], p)
             n >>= 1
             k += 1
         op = p
@@ -82,8 +85,12 @@ def crc32c_stream(
     A span with an offset is first filled by ``read(view, offset)``; the next span's
     read runs in a helper thread while this one is checksummed on the caller's thread
     (both release the GIL); ``after(i, view)`` then runs on span ``i`` before span
-    ``i + 2`` is read (so two buffers may alternate between spans). Blocking.
+    ``i + 2`` is read (so two buffers may alternate between spans). Spans that are all
+    in memory already are checksummed in two halves on two cores, then ``after`` runs on
+    each in order. Blocking.
     """
+    if spans and all(offset is None for _, offset in spans):
+        return _in_memory(spans, after)
     return _stream(spans, read, after, chained=True)[-1] if spans else 0
 
 
@@ -137,3 +144,33 @@ def _stream(
                     concurrent.futures.wait([pending])
                 raise
     return digests
+
+
+def _in_memory(spans: Sequence[Span], after: Callable[[int, memoryview], None] | None) -> int:
+    """``crc32c_stream`` of spans already in memory: the first half of the bytes (a span
+    cut where the half ends) on a helper thread, the second on the caller's, combined."""
+    views = [view for view, _ in spans]
+    half = sum(len(view) for view in views) // 2
+    first: list[memoryview] = []
+    second: list[memoryview] = []
+    at = 0
+    for view in views:
+        cut = min(max(half - at, 0), len(view))
+        first.append(view[:cut])
+        second.append(view[cut:])
+        at += len(view)
+
+    def chain(part: list[memoryview]) -> int:
+        digest = 0
+        for view in part:
+            digest = crc32c(view, digest)
+        return digest
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        head = pool.submit(chain, first)
+        tail = chain(second)
+        digest = crc32c_combine(head.result(), tail, sum(len(view) for view in second))
+    if after is not None:
+        for i, view in enumerate(views):
+            after(i, view)
+    return digest

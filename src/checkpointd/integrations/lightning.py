@@ -46,7 +46,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
@@ -64,6 +64,7 @@ from checkpointd.read.restore import load
 from checkpointd.state.rng import RNGState
 from checkpointd.write.capture import BufferPool
 from checkpointd.write.handle import SaveHandle
+from checkpointd.write.options import WriterKeywords, WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
@@ -108,7 +109,8 @@ class CheckpointdIO(_Base):
     """Saves Lightning checkpoints in the background with checkpointd, durably.
 
     ``writer_options`` go to each ``CheckpointWriter`` (``storage_options`` for
-    S3, ``max_pending``, ``max_concurrency``, ``background_niceness``...);
+    S3, ``max_pending``, ``max_concurrency``, ``background_niceness``...; checked
+    when the plugin is made, InvalidArgumentError);
     retention options are refused (``ModelCheckpoint(save_top_k=...)`` decides
     what is kept). ``restore_rng`` (default True): ``load_checkpoint`` sets the
     process's generators to the saved ones, so a resume continues the same random
@@ -123,22 +125,31 @@ class CheckpointdIO(_Base):
     ``teardown`` waits for every save and raises the first error.
     """
 
-    def __init__(self, *, restore_rng: bool = True, **writer_options: Any) -> None:
+    def __init__(
+        self, *, restore_rng: bool = True, **writer_options: Unpack[WriterKeywords]
+    ) -> None:
         refused = [name for name in _REFUSED if name in writer_options]
         if refused:
             raise InvalidArgumentError(
                 f"CheckpointdIO takes no {', '.join(refused)}: ModelCheckpoint's save_top_k and "
                 "save_last decide which checkpoints are kept"
             )
+        if "buffer_pool" in writer_options:
+            raise InvalidArgumentError(
+                "CheckpointdIO takes no buffer_pool: its writers share one pool of their own"
+            )
         super().__init__()
         self.restore_rng = restore_rng
-        self.writer_options = dict(writer_options)
-        self._storage_options: Mapping[str, Any] | None = writer_options.get("storage_options")
-        self._writers: dict[str, CheckpointWriter] = {}
         # Each top-k path is a root of its own, so saves go to a new writer almost every
         # time: the pool hands a closed writer's warm staging buffers to the next one
         # (fresh ones would cost a first touch of every page on the training thread).
-        self._buffers = BufferPool()
+        self.options = WriterOptions(**writer_options).replace(
+            keep_last=1, buffer_pool=BufferPool()
+        )
+        """The options of every writer (checked here: InvalidArgumentError): keep_last=1
+        and one shared buffer_pool, since each top-k path is a root of its own."""
+        self._storage_options = self.options.storage_options
+        self._writers: dict[str, CheckpointWriter] = {}
         # Deleting a removed root (and closing its writer) runs off the training thread.
         self._deleter: ThreadPoolExecutor | None = None
         self._deleting: dict[str, Future[None]] = {}
@@ -255,9 +266,7 @@ class CheckpointdIO(_Base):
     def _writer(self, root: str) -> CheckpointWriter:
         writer = self._writers.pop(root, None)  # re-inserted: the dict is in order of use
         if writer is None:
-            writer = CheckpointWriter(
-                root, keep_last=1, buffer_pool=self._buffers, **self.writer_options
-            )
+            writer = CheckpointWriter(root, **self.options.keywords())
             newest = writer.newest_step
             if newest is not None:
                 self._last_step[root] = max(newest, self._last_step.get(root, newest))

@@ -57,6 +57,7 @@ from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.restore import restore
 from checkpointd.state.rng import RNGState
 from checkpointd.write.handle import SaveHandle
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdManager"]
@@ -98,6 +99,15 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
                     "CheckpointdManager does not read or write Hugging Face safetensors "
                     "(last_save_in_hf, initial_load_in_hf): use `checkpointd export --format hf`"
                 )
+            self.writer_options()  # InvalidArgumentError for a bad option, here and now
+
+        def writer_options(self) -> WriterOptions:
+            """The options of the manager's writer, from this config (checked)."""
+            return WriterOptions(
+                storage_options=dict(self.storage_options) or None,
+                keep_last=self.keep_latest_k or None,
+                max_pending=self.max_pending,
+            )
 
     def __init__(
         self,
@@ -145,13 +155,8 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
     def writer(self) -> CheckpointWriter:
         """The writer of ``folder`` (opened on the first save)."""
         if self._writer is None:
-            keep = self.config.keep_latest_k
-            self._writer = CheckpointWriter(
-                self.folder,
-                storage_options=self.storage_options,
-                keep_last=keep or None,
-                max_pending=self.config.max_pending,
-            )
+            options = self.config.writer_options()
+            self._writer = CheckpointWriter(self.folder, **options.keywords())
         return self._writer
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:

@@ -71,6 +71,7 @@ from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.restore import load, restore
 from checkpointd.state.rng import RNGState
+from checkpointd.write.options import WriterKeywords, WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdMixin", "CheckpointdTrainer"]
@@ -115,22 +116,23 @@ class CheckpointdMixin(_Base):
     ``checkpointd_root``: where checkpoints go (a path or an fsspec URL; default
     ``{args.output_dir}/checkpointd``). ``checkpointd_options``: ``CheckpointWriter``
     options (``storage_options``, ``max_pending``, ``incremental``...; a
-    retention option given here replaces ``save_total_limit``). Everything
-    else goes to the Trainer class.
+    retention option given here replaces ``save_total_limit``), checked when the
+    Trainer is made (InvalidArgumentError). Everything else goes to the Trainer class.
     """
 
     def __init__(
         self,
         *args: Any,
         checkpointd_root: str | os.PathLike[str] | None = None,
-        checkpointd_options: Mapping[str, Any] | None = None,
+        checkpointd_options: WriterKeywords | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        options = dict(checkpointd_options or {})
-        if not any(k.startswith("keep_") or k == "retention" for k in options):
-            options["keep_last"] = self.args.save_total_limit
+        options = WriterOptions(**(checkpointd_options or {}))
+        if not any(k.startswith("keep_") or k == "retention" for k in checkpointd_options or {}):
+            options = options.replace(keep_last=self.args.save_total_limit)
         self.checkpointd_options = options
+        """The writer's options, checked here (InvalidArgumentError)."""
         root = checkpointd_root or os.path.join(self.args.output_dir or ".", "checkpointd")
         self.checkpointd_root = os.fspath(root)
         self._checkpointd_writer: CheckpointWriter | None = None
@@ -141,8 +143,7 @@ class CheckpointdMixin(_Base):
     @property
     def storage_options(self) -> Mapping[str, Any] | None:
         """The fsspec options of the root (from ``checkpointd_options``)."""
-        options: Mapping[str, Any] | None = self.checkpointd_options.get("storage_options")
-        return options
+        return self.checkpointd_options.storage_options
 
     def has_checkpoint(self) -> bool:
         """Whether the root holds a committed checkpoint: ``train(resume_from_checkpoint=
@@ -219,7 +220,7 @@ class CheckpointdMixin(_Base):
     def _writer(self) -> CheckpointWriter:
         if self._checkpointd_writer is None:
             self._checkpointd_writer = CheckpointWriter(
-                self.checkpointd_root, **self.checkpointd_options
+                self.checkpointd_root, **self.checkpointd_options.keywords()
             )
         return self._checkpointd_writer
 

@@ -51,14 +51,14 @@ def newest_blobs(store: Store) -> dict[str, BlobEntry]:
     return {blob.name: blob for blob in manifest.blobs}
 
 
-def write_blob(store: Store, name: str, data: BytesLike) -> BlobEntry:
-    """Write blob ``name`` durably (atomic replace: same name, same bytes). No CRC32C:
-    the name is the digest readers check. Worker thread."""
+def write_blob(store: Store, name: str, data: BytesLike, chunk_bytes: int) -> BlobEntry:
+    """Write blob ``name`` durably (atomic replace: same name, same bytes), ``chunk_bytes``
+    per write. No CRC32C: the name is the digest readers check. Worker thread."""
     view = memoryview(data).cast("B")
     sink = store.open_file(blob_path(name), size=len(view))
     try:
-        for start in range(0, len(view), tunables.CHUNK_BYTES):
-            sink.write(view[start : start + tunables.CHUNK_BYTES])
+        for start in range(0, len(view), chunk_bytes):
+            sink.write(view[start : start + chunk_bytes])
         sink.commit()
     except BaseException:
         sink.discard()

@@ -157,7 +157,7 @@ async def gather(attempt: Attempt, kind: str, ranks: list[int], *, join: bool) -
 
     Raises RankFailedError once the attempt is abandoned (by anyone), and abandons it
     first for a rank that closed its writer, a dead rank, or (``join``) a live rank
-    that has not posted within JOIN_SECONDS. Only for posts that precede the commit
+    that has not posted within the group's ``join_seconds``. Only for posts that precede the commit
     (digests, files), so giving up cannot lose to ``committed``. Event loop.
     """
     got: dict[int, bytes] = {}
@@ -183,7 +183,7 @@ async def reason_to_give_up(
     attempt: Attempt, missing: list[int], *, since: float | None
 ) -> str | None:
     """Why this rank gives up waiting for ``missing`` (closed, dead, or, with ``since``,
-    absent for JOIN_SECONDS since then), or None to keep waiting. Event loop."""
+    absent for the group's ``join_seconds`` since then), or None to keep waiting. Event loop."""
     named = attempt.group.named
     closed = await anyio.to_thread.run_sync(attempt.closed, missing)
     if closed:
@@ -191,9 +191,10 @@ async def reason_to_give_up(
     dead = await anyio.to_thread.run_sync(attempt.dead, missing)
     if dead:
         return f"{named(dead)} stopped responding (no heartbeat for {tunables.STALE_SECONDS}s)"
-    if since is not None and time.monotonic() - since > tunables.JOIN_SECONDS:
+    join_seconds = attempt.group.join_seconds
+    if since is not None and time.monotonic() - since > join_seconds:
         return (
-            f"{named(missing)} did not join it within {tunables.JOIN_SECONDS}s; every rank "
+            f"{named(missing)} did not join it within {join_seconds}s; every rank "
             f"of the group must call save({attempt.step}) (to save from one process alone, "
             "make its writer with process_group=checkpointd.LOCAL)"
         )

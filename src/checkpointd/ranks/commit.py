@@ -5,7 +5,8 @@ threads. The attempt's keys and its one outcome are attempt.py's:
 
 1. ``digest/{rank}``: each rank's digest of every component (CRC32C and size of
    the files the plan makes of it). The publisher reads them all; a rank that
-   does not post one within JOIN_SECONDS while alive did not join the save
+   does not post one within the writer's join_seconds
+   while alive did not join the save
    (``if rank == 0: save()``). Replicated components must agree on every rank; a
    mismatch abandons the save naming the component and the ranks. Once they
    agree the publisher posts ``joined/{publisher}``, which the others wait for
@@ -120,6 +121,7 @@ async def commit_ranked(
     number: int,
     *,
     identity: WriterIdentity | None = None,
+    chunk_bytes: int,
 ) -> CheckpointInfo:
     """This rank's part of the collective commit of ``plan`` (attempt ``number`` at its
     step); returns the CheckpointInfo once the manifest is published.
@@ -135,7 +137,15 @@ async def commit_ranked(
         digests = await anyio.to_thread.run_sync(component_digests, plan)
         await anyio.to_thread.run_sync(attempt.post, "digest", digests)
         await _join(attempt)
-        await _write_share(store, plan, limiter, attempt, streamed=streamed, committed=committed)
+        await _write_share(
+            store,
+            plan,
+            limiter,
+            attempt,
+            streamed=streamed,
+            committed=committed,
+            chunk_bytes=chunk_bytes,
+        )
         if group.publishes:
             manifest = await _publish(store, plan, limiter, attempt, identity=identity)
         else:
@@ -198,6 +208,7 @@ async def _write_share(
     *,
     streamed: list[tuple[FileSink, FileEntry]],
     committed: list[FileEntry],
+    chunk_bytes: int,
 ) -> None:
     """Stream and commit the files assigned to this rank, then post their entries
     (``streamed``/``committed`` collect them, for the clean-up on failure)."""
@@ -212,6 +223,7 @@ async def _write_share(
         limiter,
         streamed=streamed,
         committed=committed,
+        chunk_bytes=chunk_bytes,
         blobs=blobs,
     )
     own = {key: plan.components[key] for key in plan.per_rank}

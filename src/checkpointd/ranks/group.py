@@ -121,7 +121,9 @@ class Group:
     in group-rank order, ``publisher`` the rank that publishes manifests and runs
     retention. ``store`` is a clone of the job's c10d store (a connection of its own)
     under a prefix owned by this writer; ``token`` is agreed by every rank when the
-    writer is made (it names the files). Thread-safe: c10d stores lock each operation.
+    writer is made (it names the files). ``join_seconds`` is how long a save waits for
+    a live rank that has not joined it (the writer's option). Thread-safe: c10d stores
+    lock each operation.
     """
 
     def __init__(
@@ -131,19 +133,27 @@ class Group:
         world_size: int,
         token: str,
         ranks: tuple[int, ...] | None = None,
+        *,
+        join_seconds: float,
+        heartbeat: bool = True,
     ) -> None:
         self.store = store
+        self.join_seconds = join_seconds
         self.rank = rank
         self.world_size = world_size
         self.ranks = tuple(range(world_size)) if ranks is None else ranks
         self.publisher = 0
         self.token = token
+        self.hosted: Any = None
+        """Where the service finds this group (ranks/hosted.py ``HostedGroup``), for a
+        service writer's group; else None."""
         self._attempts: dict[int, int] = {}
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, name="checkpointd-heartbeat", daemon=True
         )
-        self._beat.start()
+        if heartbeat:  # False: another process beats for this rank (ranks/hosted.py)
+            self._beat.start()
 
     @property
     def publishes(self) -> bool:
@@ -192,7 +202,8 @@ class Group:
     def close(self) -> None:
         """Stop the heartbeat and say so (other ranks then know this rank left)."""
         self._stop.set()
-        self._beat.join()
+        if self._beat.is_alive():
+            self._beat.join()
         with contextlib.suppress(Exception):  # the store is gone: others see a stale heartbeat
             self.store.set(f"closed/{self.rank}", b"1")
 
@@ -253,7 +264,7 @@ def _pairing_key(ranks: tuple[int, ...], root: str) -> str:
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def resolve_group(process_group: Any, root: str) -> Group | None:
+def resolve_group(process_group: Any, root: str, *, join_seconds: float) -> Group | None:
     """The Group a writer of ``root`` made with ``process_group`` saves with; None to
     save alone.
 
@@ -263,7 +274,7 @@ def resolve_group(process_group: Any, root: str) -> Group | None:
     part. The writers that save together are paired by the group's ranks, ``root``
     (the same URL on every rank) and their number among this process's writers of that
     group and root: every rank of the group makes its writers of a root in the same
-    order. Group rank 0 draws the token; the others wait up to JOIN_SECONDS.
+    order. Group rank 0 draws the token; the others wait up to ``join_seconds``.
     Caller thread, blocking.
     """
     if process_group is LOCAL:
@@ -284,17 +295,17 @@ def resolve_group(process_group: Any, root: str) -> Group | None:
         store.set("token", token)
     else:
         try:
-            store.wait(["token"], _timedelta(tunables.JOIN_SECONDS))
+            store.wait(["token"], _timedelta(join_seconds))
         except Exception:
             first = "rank 0" if ranks[0] == 0 else f"rank {ranks[0]} (rank 0 of the group)"
             raise RankFailedError(
                 f"{first} did not make its writer number {number} of {root} within "
-                f"{tunables.JOIN_SECONDS}s: every rank of the group must make the same "
+                f"{join_seconds}s: every rank of the group must make the same "
                 "writers of a root in the same order (or pass "
                 "process_group=checkpointd.LOCAL to save alone)"
             ) from None
         token = store.get("token").decode()
-    return Group(store, rank, len(ranks), token, ranks)
+    return Group(store, rank, len(ranks), token, ranks, join_seconds=join_seconds)
 
 
 def _timedelta(seconds: float) -> Any:

@@ -24,7 +24,8 @@ from checkpointd.ranks.group import per_rank_targets
 from checkpointd.read import catalog, inplace
 from checkpointd.read.reader import StepReader
 from checkpointd.state.fit import check_fits, check_restorable
-from checkpointd.state.stateful import component_state, dtensor_templates, load_component
+from checkpointd.state.loading import dtensor_templates, load_component
+from checkpointd.state.stateful import component_state
 from checkpointd.state.tree import map_tree
 from checkpointd.storage import Store
 
@@ -51,7 +52,7 @@ def _roll_back(targets: Mapping[str, Any], backups: Mapping[str, Any], names: li
     failures: list[str] = []
     for name in names:
         try:
-            load_component(targets[name], backups[name])
+            load_component(name, targets[name], backups[name])
         except Exception as exc:
             failures.append(f"{name!r} ({exc})")
     if failures:
@@ -173,7 +174,7 @@ def apply_prepared(prepared: Prepared) -> None:
             # The target is touched before load_state_dict returns: a module copies
             # tensors one by one and may raise half way.
             touched.append(name)
-            load_component(targets[name], planned[name].tree, targets)
+            load_component(name, targets[name], planned[name].tree, targets)
     except Exception as exc:
         _roll_back(targets, backups, touched)
         raise RestoreMismatchError(

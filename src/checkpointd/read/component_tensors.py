@@ -5,7 +5,7 @@ box at a time, placed like the restore's DTensor templates. Reading thread."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.manifest import ComponentEntry, ShardedTensor
@@ -13,9 +13,24 @@ from checkpointd.format.manifest import ComponentEntry, ShardedTensor
 if TYPE_CHECKING:
     import torch
 
-    from checkpointd.read.reader import StepReader
+    from checkpointd.state.shards import Box
 
-__all__ = ["ComponentTensors", "Take"]
+__all__ = ["ComponentTensors", "Take", "TensorSource"]
+
+
+class TensorSource(Protocol):
+    """What ComponentTensors reads through: the reader of the step (reader.StepReader),
+    which makes the mapping, so this module does not import it back."""
+
+    @property
+    def where(self) -> str: ...
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def blob_tensor(self, blob: str, code: str, shape: list[int], tensor: str) -> torch.Tensor: ...
+
+    def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
+
 
 Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
 """(tensor name, its live DTensor template, the stored sharded tensor) -> the tensor to
@@ -29,7 +44,7 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
 
     def __init__(
         self,
-        reader: StepReader,
+        reader: TensorSource,
         entry: ComponentEntry,
         templates: Mapping[str, Any],
         preloaded: Mapping[str, Mapping[str, torch.Tensor]],

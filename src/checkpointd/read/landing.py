@@ -2,11 +2,14 @@
 tensors (inplace.py says why the order is all or nothing): the check pass streams the
 file through two reused chunk buffers, checks its CRC32C and copies its other tensors
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
-the CRC32C again over what landed. Blocking; the restoring thread (plus one helper
+the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
+open: the service's memory tier) is checked where it lies and landed with one copy,
+without the second check. Blocking; the restoring thread (plus one helper
 thread per file while streaming)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +20,7 @@ from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import crc32c_stream
 from checkpointd.format.header import TensorEntry
 from checkpointd.read.reader import StepReader
-from checkpointd.storage.base import PinnedFile
+from checkpointd.storage.base import MappedFile, PinnedFile
 
 __all__ = ["Landing", "bytes_of", "check_pass", "land_file"]
 
@@ -91,16 +94,21 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     ]
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
-    buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
-    spans: list[tuple[memoryview, int | None]] = [
-        (buffers[i % 2][: min(chunk, size - offset)], offset)
-        for i, offset in enumerate(range(0, size, chunk))
-    ]
+    spans: list[tuple[memoryview, int | None]]
+    if isinstance(pinned, MappedFile):  # in memory already: checked where it lies
+        spans = [(piece, None) for piece in pinned.views(0, size)]
+    else:
+        buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
+        spans = [
+            (buffers[i % 2][: min(chunk, size - offset)], offset)
+            for i, offset in enumerate(range(0, size, chunk))
+        ]
+    starts = list(itertools.accumulate((len(view) for view, _ in spans), initial=0))
     cursor = 0
 
     def extract(i: int, view: memoryview) -> None:
         nonlocal cursor
-        lo, hi = i * chunk, i * chunk + len(view)
+        lo, hi = starts[i], starts[i] + len(view)
         while cursor < len(copies) and copies[cursor][1] <= lo:
             cursor += 1
         j = cursor
@@ -135,6 +143,11 @@ def land_file(where: str, landing: Landing) -> None:
         return
     pinned = landing.pinned
     assert pinned is not None
+    if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
+        for e in landing.entries:
+            if (live := landing.direct.get(e.name)) is not None:
+                pinned.read_into(bytes_of(live), landing.start + e.begin)
+        return
     spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
     kept = iter(landing.kept)
     for e in landing.entries:

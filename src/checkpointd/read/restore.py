@@ -263,19 +263,17 @@ def restore(
     """
     place = place_in(process_group)
     if service is not None:
-        from checkpointd.daemon.recall import restore_held
+        from checkpointd.daemon.recall import held_copy
 
-        held = restore_held(
-            str(root),
-            targets,
-            step,
-            storage_options=storage_options,
-            strict=strict,
-            service=service,
-            place=place,
-        )
-        if held is not None:
-            return held
+        with held_copy(str(root), step, storage_options=storage_options, service=service) as held:
+            if held is not None:
+                memory, found = held
+                try:
+                    return restore_from(
+                        memory, targets, found, strict, source="memory", place=place
+                    )
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    pass  # a damaged or partial copy: storage decides
     return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)
 
 

@@ -18,7 +18,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from checkpointd.errors import (
     CheckpointExistsError,
@@ -35,6 +35,7 @@ __all__ = [
     "TEMP_MARKER",
     "Capabilities",
     "FileSink",
+    "MappedFile",
     "PendingUpload",
     "PinnedFile",
     "Store",
@@ -131,6 +132,19 @@ class PinnedFile(Protocol):
         """Fill ``buffer`` from byte ``offset``; a short file raises StorageError."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class MappedFile(PinnedFile, Protocol):
+    """A pinned file whose bytes are already in this process's memory and that nothing
+    writes while it is open (the checkpoint service's memory tier): ``views`` gives
+    them without a copy. Bytes checked once through ``views`` stay valid, so a
+    reader may copy them out later without checking them again."""
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        """The ``length`` bytes from ``offset``, as one or more read-only pieces in
+        order; StorageError past the end. Valid until ``close``."""
+        ...
 
 
 class FileSink(Protocol):
@@ -301,7 +315,8 @@ class Store(ABC):
         renamed meanwhile, or None where the store cannot promise that (the default).
 
         ``restore`` checks a file through a small buffer, then reads it again straight
-        into live tensors: only a pinned file guarantees both reads see the same file."""
+        into live tensors: only a pinned file guarantees both reads see the same file.
+        A ``MappedFile`` (bytes in memory, unwritten while open) is checked in place."""
         return None
 
     def map_file(self, path: str) -> mmap.mmap:

@@ -79,11 +79,12 @@ async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
 
 
-def _stream_file(store: Store, folder: str, file: StepFile) -> tuple[FileSink, FileEntry]:
-    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go.
-    Worker thread."""
+def _stream_file(
+    store: Store, folder: str, file: StepFile, chunk_bytes: int
+) -> tuple[FileSink, FileEntry]:
+    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go,
+    ``chunk_bytes`` per write. Worker thread."""
     sink = store.open_file(f"{folder}/{file.name}", size=file.size)
-    chunk_bytes = tunables.CHUNK_BYTES
     try:
         digest = 0
         size = 0
@@ -109,15 +110,17 @@ def _commit_file(sink: FileSink) -> None:
         raise
 
 
-def _write_blob(store: Store, blob: WriteBlob | KeepBlob) -> BlobEntry:
+def _write_blob(store: Store, blob: WriteBlob | KeepBlob, chunk_bytes: int) -> BlobEntry:
     """Write ``blob``'s bytes to ``blobs/NAME`` durably. Worker thread."""
     assert blob.parts is not None
     parts = [memoryview(part).cast("B") for part in blob.parts]
     data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-    return write_blob(store, blob.name, data)
+    return write_blob(store, blob.name, data, chunk_bytes)
 
 
-def _check_blob(store: Store, blob: WriteBlob | KeepBlob, entry: BlobEntry) -> BlobEntry:
+def _check_blob(
+    store: Store, blob: WriteBlob | KeepBlob, entry: BlobEntry, chunk_bytes: int
+) -> BlobEntry:
     """``entry`` if blob ``blob`` is stored with its size; else write it again from the
     snapshot's copy (same bytes, same name; a deletion in another process raced this
     save), or raise CheckpointError if the snapshot holds none. Worker thread."""
@@ -128,7 +131,7 @@ def _check_blob(store: Store, blob: WriteBlob | KeepBlob, entry: BlobEntry) -> B
             f"blob {entry.name} vanished before the publish and this save holds no "
             "copy of its bytes; nothing was published, the next save writes it"
         )
-    return _write_blob(store, blob)
+    return _write_blob(store, blob, chunk_bytes)
 
 
 async def open_step(store: Store, step: int, limiter: anyio.CapacityLimiter) -> None:
@@ -149,6 +152,7 @@ async def write_files(
     *,
     streamed: list[tuple[FileSink, FileEntry]],
     committed: list[FileEntry],
+    chunk_bytes: int,
     blobs: dict[str, BlobEntry] | None = None,
 ) -> None:
     """Make ``files`` durable (one rank's share of a plan), bounded by ``limiter``: stream
@@ -168,15 +172,15 @@ async def write_files(
         await in_thread(limiter, store.make_dir, BLOBS_DIR)
 
     async def stream(file: StepFile) -> None:
-        streamed.append(await in_thread(limiter, _stream_file, store, folder, file))
+        streamed.append(await in_thread(limiter, _stream_file, store, folder, file, chunk_bytes))
 
     async def write(blob: WriteBlob) -> None:
-        blobs[blob.name] = await in_thread(limiter, _write_blob, store, blob)
+        blobs[blob.name] = await in_thread(limiter, _write_blob, store, blob, chunk_bytes)
 
     async def check(blob: WriteBlob | KeepBlob) -> None:
         entry = blobs.get(blob.name, blob.entry if isinstance(blob, KeepBlob) else None)
         assert entry is not None
-        blobs[blob.name] = await in_thread(limiter, _check_blob, store, blob, entry)
+        blobs[blob.name] = await in_thread(limiter, _check_blob, store, blob, entry, chunk_bytes)
 
     async def commit(sink: FileSink, entry: FileEntry) -> None:
         await in_thread(limiter, _commit_file, sink)
@@ -222,9 +226,11 @@ async def commit_plan(
     limiter: anyio.CapacityLimiter,
     *,
     identity: WriterIdentity | None = None,
+    chunk_bytes: int,
 ) -> CheckpointInfo:
     """``publish_plan``, returning the CheckpointInfo of the committed checkpoint."""
-    return info_of(store, await publish_plan(store, plan, limiter, identity=identity))
+    manifest = await publish_plan(store, plan, limiter, identity=identity, chunk_bytes=chunk_bytes)
+    return info_of(store, manifest)
 
 
 async def publish_plan(
@@ -233,6 +239,7 @@ async def publish_plan(
     limiter: anyio.CapacityLimiter,
     *,
     identity: WriterIdentity | None = None,
+    chunk_bytes: int,
 ) -> Manifest:
     """Write, commit and publish ``plan`` (this process saves alone); return the
     manifest once it is durable.
@@ -244,7 +251,8 @@ async def publish_plan(
     (before writing anything) or another writer publishes it first (after
     removing this attempt's files); StorageError on I/O failure; CheckpointError if
     a kept blob vanished and the snapshot holds no copy. ``identity`` (the
-    writer's) is recorded in the manifest and told of the commit.
+    writer's) is recorded in the manifest and told of the commit; files and blobs are
+    written ``chunk_bytes`` per call (the writer's option).
     """
     step = plan.step
     await open_step(store, step, limiter)
@@ -253,7 +261,14 @@ async def publish_plan(
     blobs: dict[str, BlobEntry] = {}
     try:
         await write_files(
-            store, step, plan.files, limiter, streamed=streamed, committed=committed, blobs=blobs
+            store,
+            step,
+            plan.files,
+            limiter,
+            streamed=streamed,
+            committed=committed,
+            chunk_bytes=chunk_bytes,
+            blobs=blobs,
         )
         manifest = manifest_of(plan, committed, blobs.values(), identity=identity)
         await publish_manifest(store, manifest, limiter)

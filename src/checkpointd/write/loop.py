@@ -89,9 +89,12 @@ class WriteService:
         *,
         group: Group | None = None,
         incremental: bool = False,
+        chunk_bytes: int,
         pool: BufferPool | None = None,
     ) -> None:
         self.store = store
+        self.chunk_bytes = chunk_bytes
+        """Bytes handed to the store per write (the writer's option)."""
         self.incremental: IncrementalSaver | None = None
         """Set for ``incremental=True``: references unchanged tensors (incremental.py)."""
         if incremental:
@@ -194,7 +197,7 @@ class WriteService:
 
     async def _staged(self, staging: Staging, snapshot: Snapshot) -> None:
         """Wait for a save's background copy; if it failed, abandon this attempt for every
-        rank of the group first (they fail at once, not after JOIN_SECONDS), then raise."""
+        rank of the group first (they fail at once, not after join_seconds), then raise."""
         try:
             await staging.wait_async()
         except StagingError as exc:
@@ -251,12 +254,20 @@ class WriteService:
         CheckpointInfo and the manifest where this process has it (alone; a rank reads
         only the publisher's summary)."""
         if self.group is None:
-            manifest = await publish_plan(self.store, plan, limiter, identity=self.identity)
+            manifest = await publish_plan(
+                self.store, plan, limiter, identity=self.identity, chunk_bytes=self.chunk_bytes
+            )
             return info_of(self.store, manifest), manifest
         from checkpointd.ranks.commit import commit_ranked
 
         info = await commit_ranked(
-            self.store, plan, limiter, self.group, number, identity=self.identity
+            self.store,
+            plan,
+            limiter,
+            self.group,
+            number,
+            identity=self.identity,
+            chunk_bytes=self.chunk_bytes,
         )
         return info, None
 

@@ -170,7 +170,7 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         if self._ranks is not None and not self._preemption_saved:
             from checkpointd.write.preemption import any_rank
 
-            preempted = any_rank(preempted, self._process_group)
+            preempted = any_rank(preempted, self.options.process_group)
         if not preempted and not self._preemption_saved:
             return False
         if not self._preemption_saved:
@@ -262,6 +262,7 @@ class AsyncCheckpointWriter(WriterBase):
     """
 
     _group: TaskGroup | None = None
+    _in_callers_loop = True
 
     def _start(self) -> None:
         """The service starts in ``__aenter__``; here only the table of each pending save's

@@ -1,5 +1,5 @@
-"""What a writer accepts besides the state: a save's metrics and metadata as plain JSON
-that fits in a manifest, and the writer's retention policy. Caller thread."""
+"""What a save accepts besides the state: its metrics and metadata as plain JSON that
+fits in a manifest (the writer's own options are options.py). Caller thread."""
 
 from __future__ import annotations
 
@@ -11,27 +11,10 @@ import numpy as np
 import torch
 
 from checkpointd import tunables
-from checkpointd.errors import InvalidArgumentError, UnsupportedValueError
+from checkpointd.errors import UnsupportedValueError
 from checkpointd.format.manifest import too_deep
-from checkpointd.maintain.retention import RetentionPolicy
 
-__all__ = ["plain_metrics_and_metadata", "writer_policy"]
-
-
-def writer_policy(retention: RetentionPolicy | None, loose: RetentionPolicy) -> RetentionPolicy:
-    """The writer's policy: ``retention`` or the one made of the loose options, never both."""
-    if retention is None:
-        return loose
-    if not isinstance(retention, RetentionPolicy):
-        raise InvalidArgumentError(
-            f"retention must be a RetentionPolicy, not {type(retention).__qualname__}"
-        )
-    if loose != RetentionPolicy():
-        raise InvalidArgumentError(
-            "pass retention=RetentionPolicy(...) or keep_last/keep_every/keep_best/"
-            "best_metric/best_mode, not both"
-        )
-    return retention
+__all__ = ["plain_metrics_and_metadata"]
 
 
 def _json_hook(value: Any) -> Any:

@@ -9,12 +9,10 @@ so a bad call raises at once instead of failing in the background.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, ClassVar, Literal
 
 import anyio
 import torch
@@ -25,90 +23,38 @@ from checkpointd.errors import (
     CheckpointTimeoutError,
     InvalidArgumentError,
     StepOrderError,
-    StorageError,
     UnsupportedValueError,
     WriterClosedError,
 )
 from checkpointd.format.layout import MAX_STEP, is_step
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
-from checkpointd.ranks.group import LOCAL, Group, split_state
+from checkpointd.ranks.group import split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
-from checkpointd.storage import LocalStore, open_store
-from checkpointd.write import lifecycle
+from checkpointd.write import lifecycle, opening
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.loop import NewerSteps, WriteService
+from checkpointd.write.loop import NewerSteps
+from checkpointd.write.options import WriterOptions
 from checkpointd.write.plan import Snapshot
-from checkpointd.write.staging import STAGING_MODES, Stager, Staging, StagingMode
-from checkpointd.write.writer_args import plain_metrics_and_metadata, writer_policy
-
-if TYPE_CHECKING:
-    from checkpointd.daemon.remote import RemoteService
+from checkpointd.write.staging import Stager, Staging, StagingMode
+from checkpointd.write.writer_args import plain_metrics_and_metadata
 
 __all__ = ["WriterBase"]
-
-_NEWER_STEPS = ("error", "keep", "discard")
 
 
 class WriterBase:
     """What both front ends share: options, validation, pending handles, error surfacing.
 
-    Options: ``root`` is a local path or fsspec URL (``storage_options`` reach it);
-    ``keep_last``/``keep_every``/``keep_best`` with ``best_metric``/``best_mode`` are
-    the retention rules (see RetentionPolicy), or pass ``retention=RetentionPolicy(...)``
-    instead (not both); ``max_pending`` snapshots may exist
-    at once (each one staging buffer, reused); ``max_concurrency`` files of a save
-    are written at once; ``background_niceness`` (Linux, CheckpointWriter only)
-    lowers the CPU priority of the writer's threads, so training steps keep the
-    cores while a save is in flight and the save takes longer.
-
-    ``newer_steps`` says what a save of a step older than the newest committed one
-    (after rolling back to an older checkpoint) does: ``"error"`` (default) refuses
-    it with StepOrderError, since readers resume from the newest step and would
-    skip it; ``"discard"`` saves it and, once it is committed, deletes the committed
-    steps newer than it (before retention runs); ``"keep"`` saves it and keeps them.
-    The writer lists the root once when it starts and then tracks its own commits.
-    A step equal to the newest committed one is CheckpointExistsError in every mode.
-
-    ``process_group``: with torch.distributed initialized, None (default) means every
-    rank of the default group saves each checkpoint together (every rank makes the
-    writer and calls ``save`` with the same step; see the README, "Many ranks"); a
-    process group (``new_group``: a pipeline stage, a subset of ranks) means its ranks
-    alone save together, and other ranks need not make a writer;
-    ``checkpointd.LOCAL`` makes this process save alone.
-
-    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
-    equal one of the writer's previous committed checkpoint is not written again: the
-    manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
-    incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
-    retention and gc delete a blob only when no committed manifest uses it. With many
-    ranks each rank's shards of a DTensor (FSDP2) are blobs too, so a frozen sharded base
-    is referenced, not rewritten.
-
-    ``staging``: ``"blocking"`` (default) copies the whole state into host memory
-    before ``save()`` returns. ``"overlapped"`` copies the parameters of the
-    optimizers in the state and those optimizers' state tensors in the background
-    while training goes on (a step pre-hook on each such optimizer waits for the
-    copy, so ``optimizer.step()`` cannot change them mid-copy); every other tensor
-    (buffers such as BatchNorm statistics, EMA weights, user tensors) is copied
-    before ``save()`` returns. Only ``optimizer.step()`` is guarded: change those
-    tensors any other way only after ``wait_staged()``. See staging.py.
-
-    ``service``: None (default) writes in this process, in a background thread.
-    ``"auto"`` or a socket path writes through the checkpoint service (README, "The
-    checkpoint service"): ``save()`` captures into the service's shared memory and
-    returns once the service owns the snapshot, which then commits even if this
-    process dies. Not yet with many ranks, ``incremental=True``, overlapped staging
-    or AsyncCheckpointWriter (InvalidArgumentError).
-
-    ``buffer_pool``: a BufferPool that several writers share, one after another: this
-    one takes its staging buffers from it and gives them back once closed (the
-    Lightning plugin's writers, one per root). Not with ``service=``.
+    ``root`` is a local path or fsspec URL. The keywords are the writer's options,
+    each described in ``WriterOptions`` (write/options.py): every one is checked when
+    the writer is made (InvalidArgumentError) and kept in ``options``.
 
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
+
+    _in_callers_loop: ClassVar[bool] = False  # True: the service runs in the caller's loop
 
     def __init__(
         self,
@@ -129,72 +75,80 @@ class WriterBase:
         incremental: bool = False,
         staging: StagingMode = "blocking",
         service: str | os.PathLike[str] | None = None,
+        chunk_bytes: int | None = None,
+        join_seconds: float | None = None,
         buffer_pool: BufferPool | None = None,
     ) -> None:
-        for name, value in (("max_pending", max_pending), ("max_concurrency", max_concurrency)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
-        if isinstance(background_niceness, bool) or background_niceness not in range(20):
-            raise InvalidArgumentError(
-                f"background_niceness must be an int from 0 to 19, not {background_niceness!r}"
-            )
-        if background_niceness and not sys.platform.startswith("linux"):
-            raise InvalidArgumentError("background_niceness needs Linux (per-thread priorities)")
-        if not isinstance(incremental, bool):
-            raise InvalidArgumentError(f"incremental must be a bool, not {incremental!r}")
-        if newer_steps not in _NEWER_STEPS:
-            raise InvalidArgumentError(
-                f"newer_steps must be one of {_NEWER_STEPS}, not {newer_steps!r}"
-            )
-        if staging not in STAGING_MODES:
-            raise InvalidArgumentError(f"staging must be one of {STAGING_MODES}, not {staging!r}")
-        loose = RetentionPolicy(keep_last, keep_every, keep_best, best_metric, best_mode)
-        self.policy = writer_policy(retention, loose)
-        self.background_niceness = background_niceness
-        self.staging: StagingMode = staging
-        self._stager = Stager() if staging == "overlapped" else None
-        self.newer_steps: NewerSteps = newer_steps
+        self.options = WriterOptions(
+            storage_options=storage_options,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            retention=retention,
+            max_pending=max_pending,
+            max_concurrency=max_concurrency,
+            background_niceness=background_niceness,
+            newer_steps=newer_steps,
+            process_group=process_group,
+            incremental=incremental,
+            staging=staging,
+            service=service,
+            buffer_pool=buffer_pool,
+            chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
+            join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
+        )
         self.root = str(root)
-        self.storage_options = None if storage_options is None else dict(storage_options)
-        self._store = open_store(self.root, self.storage_options)
-        local = self._store.root if isinstance(self._store, LocalStore) else None
-        if local is not None and os.path.exists(local) and not os.path.isdir(local):
-            raise StorageError(
-                errno.ENOTDIR, f"checkpoint root {self.root} is a file, not a folder"
-            )
-        self._ranks = _group(process_group, local or self._store.url.rstrip("/"))
-        self._process_group = process_group  # restore's place: this rank in this group
-        self.incremental = incremental
-        self.service = None if service is None else os.fspath(service)
-        self._service: WriteService | RemoteService
-        if self.service is None:
-            self._service = WriteService(
+        self._stager = Stager() if self.options.staging == "overlapped" else None
+        self._store = opening.open_root(self.root, self.options)
+        try:
+            self._ranks = opening.open_group(self._store, self.options)
+            self._service = opening.open_service(
+                self.root,
                 self._store,
-                self.policy,
-                max_pending,
-                max_concurrency,
-                newer_steps,
-                group=self._ranks,
-                incremental=incremental,
-                pool=buffer_pool,
+                self.options,
+                self._ranks,
+                in_callers_loop=self._in_callers_loop,
             )
-        else:
-            from checkpointd.daemon.remote import open_remote
-
-            try:
-                self._service = open_remote(
-                    self, max_pending, max_concurrency, pooled=buffer_pool is not None
-                )
-            except BaseException:
-                if self._ranks is not None:
-                    self._ranks.close()
-                self._store.close()
-                raise
+        except BaseException:
+            self._store.close()
+            raise
         self._generation = lifecycle.generation()
         self._pending: list[SaveHandle] = []
         self._closed = False
         self._specs: dict[str, SpecEntry] | None = None  # the previous save's, None: unread
         self._start()
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        """The retention policy in effect (``retention``, or the ``keep_*`` options')."""
+        return self.options.policy
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """The fsspec options of ``root`` (a copy of the ones given)."""
+        return None if self.options.storage_options is None else dict(self.options.storage_options)
+
+    @property
+    def background_niceness(self) -> int:
+        return self.options.background_niceness
+
+    @property
+    def newer_steps(self) -> NewerSteps:
+        return self.options.newer_steps
+
+    @property
+    def incremental(self) -> bool:
+        return self.options.incremental
+
+    @property
+    def staging(self) -> StagingMode:
+        return self.options.staging
+
+    @property
+    def service(self) -> str | None:  # "auto" or a socket path; None: in this process
+        return self.options.service_path
 
     def _start(self) -> None:
         """Start the write service where the front end runs it; last step of __init__."""
@@ -405,7 +359,7 @@ class WriterBase:
             step,
             storage_options=self.storage_options,
             strict=strict,
-            process_group=self._process_group,
+            process_group=self.options.process_group,
         )
 
 
@@ -414,14 +368,3 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _group(process_group: Any, root: str) -> Group | None:
-    """The group a writer of ``root`` saves with: none (alone) unless torch.distributed is
-    initialized with more than one rank in ``process_group`` and it is not LOCAL.
-    Imports torch.distributed only when it is in use."""
-    if process_group is LOCAL or (process_group is None and "torch.distributed" not in sys.modules):
-        return None
-    from checkpointd.ranks.group import resolve_group
-
-    return resolve_group(process_group, root)

@@ -1,0 +1,41 @@
+"""One client connection as the service sees it: its stream, what it owns, what it borrows.
+
+``owned``: segments allocated and not yet submitted (freed when the connection
+ends: a trainer killed while copying); ``borrowed``: held segments lent to it for
+a restore (given back when it ends). On the service's event loop. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import SocketStream
+
+from . import protocol as p
+from .shm import MappedSegment
+
+__all__ = ["Conn"]
+
+
+@dataclass
+class Conn:
+    stream: SocketStream
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    open: bool = True
+    owned: dict[int, MappedSegment] = field(default_factory=dict)
+    borrowed: list[MappedSegment] = field(default_factory=list)
+
+    async def send(self, message: p.Message, fds: list[int] | None = None) -> None:
+        """Send one frame (and ``fds``); a client gone is marked closed, never raised."""
+        if not self.open:
+            return
+        frame = p.encode(message)
+        async with self.lock:
+            try:
+                if fds:
+                    await self.stream.send_fds(frame, fds)  # type: ignore[attr-defined]
+                else:
+                    await self.stream.send(frame)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                self.open = False

@@ -1,0 +1,139 @@
+"""The service's shared memory: every segment it holds, the memory limit, and lending.
+
+A segment is held from ``allocate`` until ``release`` (its save failed, or the
+memory tier let it go). The last released segment is kept as the spare, for the
+next save of a similar size (a fresh memfd costs a page fault and a zeroed page
+per 4 KiB on first touch). A segment lent to a restoring client (``lend``) is
+never written again: released while lent, it stays held (and counted) until the
+last borrower gives it back (``give_back``: its connection ended), and it is
+then closed, never made the spare, so no byte a client mapped ever changes under
+it. On the service's event loop. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import anyio
+
+from checkpointd.errors import ServiceMemoryError
+
+from .protocol import ProtocolError
+from .shm import MappedSegment
+
+__all__ = ["SharedMemory"]
+
+
+class SharedMemory:
+    """The segments the service holds, within ``limit`` bytes (None: no limit)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.evict: Callable[[], bool] = lambda: False
+        """Frees the oldest memory-tier copy (through ``release``); False if none."""
+        self.segments: dict[int, MappedSegment] = {}
+        self._spare: MappedSegment | None = None
+        self._lent: dict[int, int] = {}  # segment ident -> borrowers
+        self._ever_lent: set[int] = set()
+        self._released: set[int] = set()  # released while lent: closed at the last give_back
+        self._ids = itertools.count(1)
+        self._freed = anyio.Event()
+
+    @property
+    def held(self) -> int:
+        """Every byte of shared memory held: staged, kept, lent and the spare."""
+        return sum(s.capacity for s in self.segments.values()) + self.spare
+
+    @property
+    def spare(self) -> int:
+        return 0 if self._spare is None else self._spare.capacity
+
+    def notify(self) -> None:
+        """Wake ``allocate`` and ``wait`` callers (memory or a save may have freed)."""
+        self._freed.set()
+        self._freed = anyio.Event()
+
+    async def wait(self) -> None:
+        """Until the next ``notify``."""
+        await self._freed.wait()
+
+    def release(self, segment: MappedSegment) -> None:
+        """The segment's owner is done with it: the spare, or closed if it was ever lent
+        (at its last ``give_back`` if still lent). Idempotent."""
+        ident = segment.ident
+        if ident not in self.segments:
+            return
+        if self._lent.get(ident):
+            self._released.add(ident)
+            return
+        del self.segments[ident]
+        self._released.discard(ident)
+        if ident in self._ever_lent:
+            self._ever_lent.discard(ident)
+            segment.close()
+        else:
+            if self._spare is not None:
+                self._spare.close()
+            self._spare = segment
+        self.notify()
+
+    def lend(self, segment: MappedSegment) -> None:
+        """A client maps ``segment`` read-only until ``give_back``: never written again."""
+        self._lent[segment.ident] = self._lent.get(segment.ident, 0) + 1
+        self._ever_lent.add(segment.ident)
+
+    def give_back(self, segment: MappedSegment) -> None:
+        """One borrower of ``segment`` is done (its connection ended)."""
+        left = self._lent.get(segment.ident, 0) - 1
+        if left > 0:
+            self._lent[segment.ident] = left
+            return
+        self._lent.pop(segment.ident, None)
+        if segment.ident in self._released:
+            self.release(segment)
+
+    def drop_spare(self) -> bool:
+        """Close the spare; False if there was none."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+        return spare is not None
+
+    async def allocate(self, nbytes: int) -> MappedSegment:
+        """A new segment of ``nbytes``: evicts held checkpoints, then waits, while it would
+        pass the limit; ServiceMemoryError if it can never fit."""
+        limit = self.limit
+        if nbytes < 0:
+            raise ProtocolError(f"a segment of {nbytes} bytes was asked for")
+        if limit is not None and nbytes > limit:
+            raise ServiceMemoryError(
+                f"this save needs {nbytes} bytes of shared memory; the service's "
+                f"--memory-limit is {limit}: it can never fit (raise the limit)"
+            )
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if nbytes > physical:
+            raise ServiceMemoryError(
+                f"this save needs {nbytes} bytes of shared memory; this machine has "
+                f"{physical}: it can never fit"
+            )
+        spare = self._spare
+        if spare is not None and nbytes <= spare.capacity <= 2 * max(nbytes, 1):
+            self._spare = None
+            segment = spare.reuse(next(self._ids), nbytes)
+            self.segments[segment.ident] = segment
+            return segment
+        while limit is not None and self.held + nbytes > limit:
+            if not (self.drop_spare() or self.evict()):
+                await self.wait()  # a save in flight resolves, a client frees or gives back
+        segment = MappedSegment(next(self._ids), nbytes)
+        self.segments[segment.ident] = segment
+        return segment
+
+    def close(self) -> None:
+        """At exit: close every segment (mappings clients still have stay valid)."""
+        for segment in self.segments.values():
+            segment.close()
+        self.segments.clear()
+        self.drop_spare()

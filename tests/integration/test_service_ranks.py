@@ -1,0 +1,198 @@
+"""Many ranks through the checkpoint service: real gloo ranks, one real ``checkpointd
+serve`` per rank (two "nodes"), the job's TCP store hosted by the test (as torchrun's
+agent hosts it), and kill -9 of every rank after ``save()`` returned."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpointd
+from checkpointd.daemon.client import status
+from checkpointd.read import catalog
+from checkpointd.storage import open_store
+from tests.support.launch import REPO, free_port
+from tests.support.service import Service, child_env, socket_folder, start_service
+from tests.support.service_rank_job import rank_state
+
+WORLD = 2
+
+
+@contextmanager
+def _services(gate: str | None = None) -> Iterator[list[Service]]:
+    folders = [socket_folder() for _ in range(WORLD)]
+    running: list[Service] = []
+    try:
+        for folder in folders:
+            running.append(start_service(folder, gate=gate))
+        yield running
+    finally:
+        for service in running:
+            service.stop()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def services() -> Iterator[list[Service]]:
+    with _services() as running:
+        yield running
+
+
+@pytest.fixture
+def job_store() -> Iterator[int]:
+    """The job's TCP store, hosted here so that it outlives the ranks; its port."""
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    yield port
+    del store
+
+
+def _ranks(
+    scenario: str, services: list[Service], root: Path, out: Path, *, steps: int, port: int
+) -> list[subprocess.Popen[str]]:
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(WORLD):
+        args = [scenario, services[rank].socket, str(root), str(out), str(steps)]
+        args += [str(rank), str(WORLD), str(port)]
+        with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.service_rank_job", *args],
+                    env=child_env(),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+            )
+    return procs
+
+
+def _committed_steps(root: Path) -> list[int]:
+    return [c.step for c in checkpointd.list_checkpoints(str(root))] if root.is_dir() else []
+
+
+def _wait_idle(services: list[Service], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while any(status(s.socket).saves_in_flight for s in services):
+        assert time.monotonic() < deadline, [s.log_text() for s in services]
+        time.sleep(0.05)
+
+
+def _check_bit_exact(root: Path, step: int) -> None:
+    loaded = checkpointd.load(str(root), step)
+    expected = rank_state(step, 0)["model"]
+    assert torch.equal(loaded.state["model"]["w"], expected["w"])
+    assert loaded.state["model"]["step"] == step
+    for rank in range(WORLD):
+        assert loaded.state[f"mine-rank{rank}"] == {"rank": rank, "step": step}
+    manifest = catalog.read_manifest(open_store(str(root)), step)
+    assert manifest.world_size == WORLD
+
+
+def test_ranks_save_through_their_services_with_one_outcome(
+    services: list[Service], job_store: int, tmp_path: Path
+) -> None:
+    root, out = tmp_path / "root", tmp_path / "out"
+    procs = _ranks("save", services, root, out, steps=2, port=job_store)
+    for proc in procs:
+        assert proc.wait(180) == 0, (out / "stderr0.txt").read_text()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert reports[0]["outcomes"] == reports[1]["outcomes"] == [["committed", 1], ["committed", 2]]
+    assert _committed_steps(root) == [1, 2]
+    for step in (1, 2):
+        _check_bit_exact(root, step)
+    # each service wrote its own rank's share: both wrote saves
+    assert all(status(s.socket).committed == 2 for s in services)
+
+
+def test_ranks_killed_after_save_returned_still_commit(job_store: int, tmp_path: Path) -> None:
+    root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
+    steps = 3
+    # Each service's writes wait for the gate: every save is in flight when the ranks die.
+    with _services(gate=str(gate)) as services:
+        procs = _ranks("save", services, root, out, steps=steps, port=job_store)
+        for proc in procs:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == f"returned {steps}":
+                    break
+        for proc in procs:  # every rank's save() of every step returned: kill them all
+            proc.send_signal(signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * WORLD
+        assert all(status(s.socket).saves_in_flight > 0 for s in services)
+        assert _committed_steps(root) == []
+        gate.touch()
+        _wait_idle(services)
+        assert _committed_steps(root) == list(range(1, steps + 1))
+        for step in range(1, steps + 1):
+            _check_bit_exact(root, step)
+        assert all(status(s.socket).failed == 0 for s in services)
+
+
+def test_a_rank_that_never_saves_abandons_the_save_everywhere(
+    services: list[Service], job_store: int, tmp_path: Path
+) -> None:
+    root, out = tmp_path / "root", tmp_path / "out"
+    procs = _ranks("absent", services, root, out, steps=1, port=job_store)
+    for proc in procs:
+        assert proc.wait(180) == 0, (out / "stderr0.txt").read_text()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    (outcome,) = json.loads((out / "rank0.json").read_text())["outcomes"]
+    assert outcome[0] == "RankFailedError"
+    assert "closed their writer" in outcome[1]
+    _wait_idle(services)
+    assert _committed_steps(root) == []
+    assert not any(os.scandir(root / f"{1:012d}")) if (root / f"{1:012d}").exists() else True
+
+
+def test_a_rank_whose_service_dies_reports_the_same_outcome(job_store: int, tmp_path: Path) -> None:
+    root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
+    with _services(gate=str(gate)) as services:
+        procs = _ranks("save", services, root, out, steps=1, port=job_store)
+        for proc in procs:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == "returned 1":
+                    break
+        services[1].kill()  # rank 1's save dies with its service; its trainer lives
+        gate.touch()
+        for proc in procs:
+            assert proc.wait(180) == 0, (out / "stderr1.txt").read_text()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        outcomes = [
+            json.loads((out / f"rank{r}.json").read_text())["outcomes"] for r in range(WORLD)
+        ]
+        assert [o[0][0] for o in outcomes] == ["RankFailedError"] * WORLD, outcomes
+        assert "checkpoint service went away" in outcomes[0][0][1]
+        _wait_idle(services[:1])
+        assert _committed_steps(root) == []
