@@ -106,6 +106,8 @@ class SimGroup(Group):
         self.world_size = world_size
         self.publisher = 0
         self.token = layout.TOKEN
+        self.ranks = tuple(range(world_size))
+        self.join_seconds = tunables.JOIN_SECONDS
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -161,9 +163,16 @@ async def _real_ranks(port: int, mesh: layout.Mesh, folder: Path) -> dict[str, A
     async def run(rank: int, name: str) -> None:
         client = _client(port)
         start = time.perf_counter()
-        group = Group(client, rank, mesh.world, layout.TOKEN)  # the real one: it beats
+        group = Group(client, rank, mesh.world, layout.TOKEN, join_seconds=tunables.JOIN_SECONDS)
         try:
-            info = await commit_ranked(store, layout.plan_of(rank, mesh), limiter, group, 0)
+            info = await commit_ranked(
+                store,
+                layout.plan_of(rank, mesh),
+                limiter,
+                group,
+                0,
+                chunk_bytes=tunables.CHUNK_BYTES,
+            )
         except CheckpointError as exc:  # a refused save fails on every rank alike
             result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             info = None
