@@ -37,7 +37,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "checkpointd.rebuild.spec": ("spec",),
     "checkpointd.state.progress": ("TrainingProgress",),
     "checkpointd.state.rng": ("RNGState",),
-    "checkpointd.write.writer": ("AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"),
+    "checkpointd.write.async_writer": ("AsyncCheckpointWriter",),
+    "checkpointd.write.writer": ("CheckpointWriter", "SaveHandle"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -82,7 +83,7 @@ if _typing.TYPE_CHECKING:
     from checkpointd.rebuild.spec import spec as spec
     from checkpointd.state.progress import TrainingProgress as TrainingProgress
     from checkpointd.state.rng import RNGState as RNGState
-    from checkpointd.write.writer import AsyncCheckpointWriter as AsyncCheckpointWriter
+    from checkpointd.write.async_writer import AsyncCheckpointWriter as AsyncCheckpointWriter
     from checkpointd.write.writer import CheckpointWriter as CheckpointWriter
     from checkpointd.write.writer import SaveHandle as SaveHandle
 else:

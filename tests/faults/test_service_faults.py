@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import checkpointd
 from checkpointd.daemon import protocol as p
 from checkpointd.daemon.client import Connection, status
+from checkpointd.daemon.frames import FrameReader
 from checkpointd.daemon.paths import check_folder, peer_uid
 from checkpointd.errors import ServiceError, ServiceMemoryError
 from tests.support.service import (
@@ -138,7 +139,7 @@ def _exchange(sock: socket.socket, payload: bytes, *, half_close: bool = True) -
     if half_close:
         sock.shutdown(socket.SHUT_WR)
     sock.settimeout(30)
-    reader = p.FrameReader(sock)
+    reader = FrameReader(sock)
     messages: list[p.Message] = []
     while (message := reader.read()) is not None:
         messages.append(message)
@@ -226,10 +227,10 @@ def test_another_user_is_refused(service: Service) -> None:
     os.chmod(service.socket, 0o777)
     code = (
         "import os, socket, sys\n"
-        "from checkpointd.daemon import protocol as p\n"
+        "from checkpointd.daemon.frames import FrameReader\n"
         "os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-        "r = p.FrameReader(s); m = r.read(); print(type(m).__name__, m.message); print(r.read())\n"
+        "r = FrameReader(s); m = r.read(); print(type(m).__name__, m.message); print(r.read())\n"
     )
     out = run_python("-c", code, service.socket, check=True).stdout
     assert out.splitlines() == ["Error this service serves its own user only", "None"]

@@ -28,6 +28,7 @@ from checkpointd import errors
 from checkpointd.errors import CheckpointError, ServiceError
 
 from . import protocol as p
+from .frames import FrameReader, send_frame
 from .paths import check_folder, default_socket, peer_uid, prepare_folder
 
 __all__ = ["Connection", "connect", "error_from", "socket_path", "status"]
@@ -77,7 +78,7 @@ class Connection:
             sock.close()
             raise
         self._sock = sock
-        self._reader = p.FrameReader(sock)
+        self._reader = FrameReader(sock)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._waiting: dict[int, Future[tuple[p.Message, int | None]]] = {}
@@ -102,7 +103,7 @@ class Connection:
             self._waiting[ident] = future
         try:
             with self._send_lock:
-                p.send_frame(self._sock, kind(id=ident, **fields))  # type: ignore[call-arg]
+                send_frame(self._sock, kind(id=ident, **fields))  # type: ignore[call-arg]
         except OSError as exc:
             self._fail(ServiceError(f"the checkpoint service at {self.path} went away ({exc})"))
         except BaseException:

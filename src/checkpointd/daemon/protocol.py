@@ -2,24 +2,20 @@
 
 A frame is a 4-byte big-endian length then that many bytes of msgpack encoding
 one ``Message``; a length over ``MAX_FRAME`` is refused before anything is
-read or allocated. Never pickle: decoding only builds these structs. Requests
+read or allocated (frames.py reads and sends them). Never pickle: decoding only builds these structs. Requests
 carry an ``id`` the reply repeats; ``Committed``/``Failed``/``Notice`` arrive
-unasked. File descriptors (shared-memory segments) travel beside a frame as
-SCM_RIGHTS, only from the service to a client (``Segment``, ``Held``).
+unasked. File descriptors (shared-memory segments) travel beside a frame
+(``Segment``, ``Held``).
 No torch here (``checkpointd status`` must not import it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import struct
 from datetime import datetime
 from typing import Any
 
-import anyio
 import msgspec
-from anyio.abc import ByteReceiveStream
 
 from checkpointd.errors import ServiceError
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
@@ -27,6 +23,7 @@ from checkpointd.ranks.hosted import HostedGroup
 
 __all__ = [
     "MAX_FRAME",
+    "PREFIX",
     "Accepted",
     "Alloc",
     "Committed",
@@ -34,7 +31,6 @@ __all__ = [
     "EntryDesc",
     "Error",
     "Failed",
-    "FrameReader",
     "Free",
     "Held",
     "HeldFile",
@@ -53,18 +49,14 @@ __all__ = [
     "WriterOpened",
     "decode",
     "encode",
-    "read_async",
-    "send_frame",
 ]
 
 MAX_FRAME = 64 * 1024 * 1024
 """The largest frame either side accepts (a snapshot's description: its trees,
 metrics, metadata and tensor entries; tensor bytes travel in shared memory)."""
 
-_PREFIX = struct.Struct(">I")
-
-FRAME_SECONDS = 30.0
-"""How long the rest of a frame may take once its length arrived (service side)."""
+PREFIX = struct.Struct(">I")
+"""A frame's length prefix: 4 bytes, big-endian."""
 
 
 class ProtocolError(ServiceError):
@@ -295,7 +287,7 @@ def encode(message: Message) -> bytes:
             f"a {type(message).__name__} message encodes to {len(body)} bytes, over the "
             f"service's {MAX_FRAME}-byte limit (the state's non-tensor part is too large)"
         )
-    return _PREFIX.pack(len(body)) + body
+    return PREFIX.pack(len(body)) + body
 
 
 def decode(body: bytes | memoryview) -> Message:
@@ -304,101 +296,3 @@ def decode(body: bytes | memoryview) -> Message:
         return _DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"not a message of the checkpointd service protocol: {exc}") from None
-
-
-def body_length(prefix: bytes) -> int:
-    """The body length a 4-byte prefix announces; ProtocolError over MAX_FRAME."""
-    (length,) = _PREFIX.unpack(prefix)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"a frame of {length} bytes announced; the limit is {MAX_FRAME}")
-    return int(length)
-
-
-def send_frame(sock: socket.socket, message: Message, fds: list[int] | None = None) -> None:
-    """Send one frame on a blocking socket, with ``fds`` (SCM_RIGHTS) if any."""
-    frame = encode(message)
-    if fds:
-        sent = socket.send_fds(sock, [frame], fds)
-        frame = frame[sent:]
-    if frame:
-        sock.sendall(frame)
-
-
-class FrameReader:
-    """Reads frames from a blocking socket, collecting the fds that arrive beside them."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.fds: list[int] = []
-        self._buffer = bytearray()
-
-    def _fill(self, count: int) -> bool:
-        while len(self._buffer) < count:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 8)
-            self.fds.extend(fds)
-            if not data:
-                return False
-            self._buffer += data
-        return True
-
-    def read(self) -> Message | None:
-        """The next message, or None at a clean end of the stream; ProtocolError on a
-        bad frame or a stream cut in the middle of one."""
-        if not self._fill(4):
-            if self._buffer:
-                raise ProtocolError("the stream ended inside a frame's length prefix")
-            return None
-        length = body_length(bytes(self._buffer[:4]))
-        if not self._fill(4 + length):
-            raise ProtocolError("the stream ended inside a frame")
-        body = bytes(self._buffer[4 : 4 + length])
-        del self._buffer[: 4 + length]
-        return decode(body)
-
-    def take_fd(self) -> int:
-        """The oldest fd received and not yet taken; ProtocolError if none came."""
-        if not self.fds:
-            raise ProtocolError("a message that carries a file descriptor came without one")
-        return self.fds.pop(0)
-
-    def close(self) -> None:
-        """Close the fds received and never taken."""
-        for fd in self.fds:
-            os_close(fd)
-        self.fds.clear()
-
-
-def os_close(fd: int) -> None:
-    import os
-
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-async def read_async(stream: ByteReceiveStream, buffer: bytearray) -> Message | None:
-    """The next frame's message from an anyio stream (the service's side), None at a
-    clean end; ProtocolError otherwise (a frame's body must arrive within
-    FRAME_SECONDS of its length)."""
-
-    async def fill(count: int) -> bool:
-        while len(buffer) < count:
-            try:
-                buffer.extend(await stream.receive(1 << 20))
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return False
-        return True
-
-    if not await fill(4):
-        if buffer:
-            raise ProtocolError("the stream ended inside a frame's length prefix")
-        return None
-    length = body_length(bytes(buffer[:4]))
-    with anyio.move_on_after(FRAME_SECONDS) as scope:
-        complete = await fill(4 + length)
-    if scope.cancelled_caught:
-        raise ProtocolError(f"a frame's body did not arrive within {FRAME_SECONDS}s")
-    if not complete:
-        raise ProtocolError("the stream ended inside a frame")
-    body = bytes(buffer[4 : 4 + length])
-    del buffer[: 4 + length]
-    return decode(body)

@@ -29,6 +29,7 @@ from checkpointd.errors import CheckpointError
 
 from . import protocol as p
 from .conn import Conn
+from .frames import read_async
 from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
 from .paths import lock_or_fail, peer_uid, prepare_folder, remove_stale
@@ -151,7 +152,7 @@ class Server:
         buffer = bytearray()
         while True:
             try:
-                message = await p.read_async(conn.stream, buffer)
+                message = await read_async(conn.stream, buffer)
             except p.ProtocolError as exc:
                 await conn.send(p.Error(0, "ProtocolError", str(exc)))
                 return

@@ -75,20 +75,21 @@ class StepReader:
         self._sized: set[str] = set()  # files whose size was checked
 
     def _size(self, name: str) -> int:
-        """The file's size after checking it against the manifest (missing: ``_vanished``)."""
+        """The file's size after checking it against the manifest (missing: ``vanished``)."""
         entry = self.files[name]
         try:
             size = self.store.size(f"{self.folder}/{name}")
         except StorageNotFoundError:
-            raise self._vanished(name) from None
+            raise self.vanished(name) from None
         if size != entry.size:
             raise CorruptCheckpointError(
                 f"{self.where}/{name}: size {size} does not match the manifest's {entry.size}"
             )
         return size
 
-    def _vanished(self, name: str) -> CheckpointError:
-        """The error for a listed file that is not there (any more)."""
+    def vanished(self, name: str) -> CheckpointError:
+        """The error for listed file ``name`` found missing: CheckpointNotFoundError if the
+        whole step was deleted meanwhile, else CorruptCheckpointError."""
         if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
             # Retention (or gc) deleted the checkpoint while we were reading it.
             return CheckpointNotFoundError(
@@ -121,7 +122,7 @@ class StepReader:
             if pinned is not None:
                 try:
                     self._size(name)
-                    self._check_digest(name, read_checked(pinned, data))
+                    self.check_digest(name, read_checked(pinned, data))
                 finally:
                     pinned.close()
                 return data
@@ -129,9 +130,9 @@ class StepReader:
             prefault(data.data_ptr(), size)
             self._read_sized(name, view)
         except StorageNotFoundError:
-            raise self._vanished(name) from None
+            raise self.vanished(name) from None
         if self.verify:
-            self._check_digest(name, crc32c(view))
+            self.check_digest(name, crc32c(view))
         return data
 
     def _read_sized(self, name: str, view: memoryview, offset: int = 0) -> None:
@@ -151,7 +152,8 @@ class StepReader:
             self._size(name)
             self._sized.add(name)
 
-    def _check_digest(self, name: str, actual: int) -> None:
+    def check_digest(self, name: str, actual: int) -> None:
+        """CorruptCheckpointError unless ``actual`` is file ``name``'s CRC32C in the manifest."""
         expected = self.files[name].crc32c
         if actual != expected:
             raise CorruptCheckpointError(
@@ -175,21 +177,11 @@ class StepReader:
             length = header_length(self.store.read_bytes(path, 0, 8), size, where=at)
             header = self.store.read_bytes(path, 8, length)
         except StorageNotFoundError:
-            raise self._vanished(name) from None
+            raise self.vanished(name) from None
         return 8 + length, parse_safetensors_header(header, size - 8 - length, where=at)
-
-    def check_digest(self, name: str, actual: int) -> None:
-        """CorruptCheckpointError unless ``actual`` is file ``name``'s CRC32C in the manifest."""
-        self._check_digest(name, actual)
-
-    def vanished(self, name: str) -> CheckpointError:
-        """The error for listed file ``name`` found missing: CheckpointNotFoundError if the
-        whole step was deleted meanwhile, else CorruptCheckpointError."""
-        return self._vanished(name)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
-
         return self.tensors_of(name, self.read(name))
 
     def layout_of(self, name: str, data: torch.Tensor) -> tuple[int, list[TensorEntry]]:
@@ -335,7 +327,7 @@ class StepReader:
             else:
                 read(view, shard.begin + begin)
         except StorageNotFoundError:
-            raise self._vanished(shard.file or shard.blob) from None
+            raise self.vanished(shard.file or shard.blob) from None
         if self.verify:
             for index in range(span.lo, span.hi):
                 at = index * block - begin
@@ -392,7 +384,7 @@ class StepReader:
             self.store.read_into(blob_path(blob), view)
         except StorageNotFoundError:
             if not self.store.exists(f"{self.folder}/{MANIFEST_NAME}"):
-                raise self._vanished(blob) from None
+                raise self.vanished(blob) from None
             raise CorruptCheckpointError(
                 f"{at} (used by {self.where}): listed in the manifest but missing"
             ) from None

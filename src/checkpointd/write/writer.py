@@ -1,10 +1,10 @@
-"""The checkpoint writer: sync and async front ends over one background write service.
+"""The checkpoint writer: the sync front end over the background write service (the
+async one is async_writer.py).
 
 ``save()`` captures the state on the caller's thread and queues the snapshot;
 the service (loop.py) writes queued snapshots one at a time, in order, each
 with its files written concurrently. ``CheckpointWriter`` runs the service on an
-event loop in a thread of its own (lifecycle.py); ``AsyncCheckpointWriter`` runs
-it in the caller's loop (asyncio or trio). At most ``max_pending`` snapshots
+event loop in a thread of its own (lifecycle.py). At most ``max_pending`` snapshots
 exist at once (one staging buffer each, reused across saves): ``save()`` waits
 for a free one.
 
@@ -22,16 +22,11 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import anyio.to_thread
 import torch
-from anyio.abc import TaskGroup
 
 from checkpointd.errors import (
     CheckpointError,
     CheckpointTimeoutError,
-    InvalidArgumentError,
-    WriterClosedError,
 )
 from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.read.restore import Checkpoint, RestoreInfo
@@ -44,7 +39,7 @@ if TYPE_CHECKING:
     from checkpointd.write.preemption import PreemptionWatch
 from checkpointd.write.writer_base import WriterBase
 
-__all__ = ["AsyncCheckpointWriter", "CheckpointWriter", "SaveHandle"]
+__all__ = ["CheckpointWriter", "SaveHandle"]
 
 
 class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
@@ -248,162 +243,3 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     ) -> RestoreInfo:
         """``checkpointd.restore`` on this writer's root and storage options."""
         return self._restore(targets, step, strict)
-
-
-class AsyncCheckpointWriter(WriterBase):
-    """Saves checkpoints in the background from async training code (asyncio or trio).
-
-    Use with ``async with``; the write service runs as a task in the caller's loop
-    and its blocking I/O in worker threads. Call ``save``/``wait`` from that loop.
-    ``list_checkpoints``, ``load`` and ``restore`` are coroutines too: they run the
-    blocking reads (and ``restore``'s ``load_state_dict`` calls) in a worker thread.
-    In a process that inherited the writer through fork, ``save``/``wait`` raise
-    WriterClosedError and ``aclose`` does nothing.
-    """
-
-    _group: TaskGroup | None = None
-    _in_callers_loop = True
-
-    def _start(self) -> None:
-        """The service starts in ``__aenter__``; here only the table of each pending save's
-        event (set on this loop when it resolves), for ``_drain``."""
-        self._events: weakref.WeakKeyDictionary[SaveHandle, anyio.Event] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    async def __aenter__(self) -> AsyncCheckpointWriter:
-        if self.background_niceness:
-            raise InvalidArgumentError(
-                "background_niceness is for CheckpointWriter: these threads are your loop's"
-            )
-        self._check_usable()
-        if self._group is not None:
-            raise WriterClosedError("an AsyncCheckpointWriter can be entered once")
-        try:
-            self._service.newest = await anyio.to_thread.run_sync(newest_committed, self._store)
-        except BaseException:
-            self._closed = True
-            self._service.close_store()
-            raise
-        group = anyio.create_task_group()
-        await group.__aenter__()
-        self._group = group
-        await group.start(self._service.run)
-        return self
-
-    async def save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        metrics: Mapping[str, Any] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        specs: Mapping[str, Any] | None = None,
-        associations: Mapping[str, str] | None = None,
-    ) -> SaveHandle:
-        """Snapshot ``state`` for ``step`` (on the loop's thread) and write it in the background.
-
-        Returns once the snapshot is taken; see ``CheckpointWriter.save``.
-        """
-        started = time.perf_counter()
-        if self._group is None and not self._closed and not self._inherited:
-            raise WriterClosedError("use the writer inside 'async with'")
-        with self._attempt(step) as attempt:
-            plain = self._before_save(step, metrics, metadata)
-            recorded = self._record_specs(step, state, specs, associations)
-            if self._stager is not None:  # the previous save's copy: waited for off the loop
-                await anyio.to_thread.run_sync(self._stager.wait)
-            buffer = await self._service.acquire_buffer()
-            try:
-                snapshot, staging = self._snapshot(
-                    step, state, buffer, plain, recorded, attempt=attempt
-                )
-            except BaseException:
-                self._service.release_buffer(buffer)
-                raise
-            event = anyio.Event()
-            handle = self._handle(step, started, event, staging)
-            self._events[handle] = event
-            await self._service.submit(snapshot, handle)
-        handle.blocked_seconds = time.perf_counter() - started
-        return handle
-
-    async def wait_staged(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait until the latest save's state is all in host memory; see
-        ``CheckpointWriter.wait_staged``."""
-        self._check_usable()
-        stager = self._stager
-        if stager is not None and not await anyio.to_thread.run_sync(stager.wait, timeout):
-            raise CheckpointTimeoutError(f"the latest save still staging after {timeout}s")
-
-    async def _drain(self) -> None:
-        for handle in list(self._pending):
-            if not handle.done():
-                await self._events[handle].wait()
-        self._pending.clear()
-
-    async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API
-        """Wait until every pending save is resolved; raise the first error not yet seen.
-
-        Raises CheckpointTimeoutError (a TimeoutError, as the sync writer) if saves
-        are still running after ``timeout`` seconds; they go on in the background.
-        """
-        if self._inherited:
-            self._check_usable()
-        try:
-            with anyio.fail_after(timeout):
-                await self._drain()
-        except TimeoutError:
-            raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
-        self._service.failures.raise_first()
-
-    async def aclose(self) -> None:
-        """Wait for pending saves, stop the service, then raise an error not yet seen."""
-        if self._closed or self._group is None or self._inherited:
-            self._closed = True
-            return
-        self._closed = True
-        if self._stager is not None:
-            self._stager.close()
-        group, self._group = self._group, None
-        try:
-            await self._drain()
-        finally:
-            await self._service.stop()
-            await group.__aexit__(None, None, None)
-            self._service.close_store()
-        self._service.failures.raise_first()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            await self.aclose()
-        except CheckpointError:
-            if exc is None:
-                raise
-
-    async def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint under this writer's root, ascending by step."""
-        return await anyio.to_thread.run_sync(self._list)
-
-    async def load(
-        self,
-        step: int | None = None,
-        *,
-        components: Iterable[str] | None = None,
-        map_location: str | torch.device | None = None,
-        verify: bool = True,
-    ) -> Checkpoint:
-        """``checkpointd.load`` on this writer's root and storage options (in a worker thread)."""
-        return await anyio.to_thread.run_sync(self._load, step, components, map_location, verify)
-
-    async def restore(
-        self, targets: Mapping[str, Any], step: int | None = None, *, strict: bool = True
-    ) -> RestoreInfo:
-        """``checkpointd.restore`` on this writer's root and storage options (in a worker
-        thread; nothing else may use ``targets`` until it returns)."""
-        return await anyio.to_thread.run_sync(self._restore, targets, step, strict)
