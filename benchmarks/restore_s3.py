@@ -25,11 +25,11 @@ import torch
 import checkpointd
 from benchmarks.common import Table, fmt_seconds
 
-__all__ = ["report", "run"]
+__all__ = ["moto_server", "report", "run"]
 
 
 @contextmanager
-def _moto() -> Iterator[dict[str, Any]]:
+def moto_server() -> Iterator[dict[str, Any]]:
     """A moto S3 server in its own process; yields s3fs storage options reaching it."""
     from tests.support.launch import free_port
     from tests.support.s3 import CREDENTIALS, REGION
@@ -90,7 +90,7 @@ def run(
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     table = Table()
-    with _moto() as options:
+    with moto_server() as options:
         root, small_root = "s3://bench/ckpt", "s3://bench/small"
         model = build(d, 0)
         with checkpointd.CheckpointWriter(root, storage_options=options) as writer:
