@@ -98,7 +98,7 @@ class ParallelUploadSink:
             if done.done() and done.exception() is not None:
                 done.result()  # fail fast: a part already failed for good
         self._slots.acquire()
-        body, self._buffer = self._buffer, bytearray()  # handed over whole: no second copy
+        body, self._buffer = bytes(self._buffer), bytearray()
         number = len(self._parts) + 1
         future = self._call("upload_part", UploadId=self._upload_id, PartNumber=number, Body=body)
         future.add_done_callback(lambda _: self._slots.release())
@@ -107,7 +107,7 @@ class ParallelUploadSink:
     def commit(self) -> None:
         """Upload what is left, wait for every part, then complete: the object appears whole."""
         if self._upload_id is None:
-            self._call("put_object", Body=self._buffer).result()
+            self._call("put_object", Body=bytes(self._buffer)).result()
             self._buffer = bytearray()
             return
         if self._buffer:
