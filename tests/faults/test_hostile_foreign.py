@@ -227,12 +227,13 @@ def _fifo(tmp: Path) -> Path:
     os.mkfifo(data)
 
     def feed() -> None:
+        # open blocks until a reader opens the FIFO; the test's own release closes it
+        # unread, so a broken pipe here is the expected end, not a failure
         try:
-            fd = os.open(data, os.O_WRONLY)  # blocks until a reader opens it (or the test ends)
+            with open(data, "wb") as f:
+                f.write(content)
         except OSError:
             return
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
 
     threading.Thread(target=feed, daemon=True).start()
     return folder
