@@ -114,6 +114,13 @@ def main(argv: list[str]) -> None:
     params, seen = run(args.root, **json.loads(args.kwargs))
     out = args.out if args.rank is None else f"{args.out}/rank{args.rank[0]}.pt"
     torch.save({"params": params, "seen": seen}, out)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Leaving with gloo's threads still running can abort the interpreter at exit
+        # ("terminate called without an active exception"); end the group together.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
