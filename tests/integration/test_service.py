@@ -186,3 +186,26 @@ def test_the_service_runs_below_the_trainers_priority(service: Service) -> None:
     with running_service("--niceness", "0", "--io-priority", "none") as unchanged:
         assert os.getpriority(os.PRIO_PROCESS, unchanged.proc.pid) == os.nice(0)
         assert io_priority(unchanged.proc.pid) == io_priority()
+
+
+def _write_calls(pid: int) -> int:
+    """Write system calls process ``pid`` has made (all its threads), from /proc."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("syscw:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no syscw in /proc/{pid}/io")
+
+
+def test_the_writers_chunk_bytes_reaches_the_service(service: Service, tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(4 * 1024 * 1024)}}  # one 16 MiB tensor
+    calls = {}
+    for name, chunk in (("default", None), ("small", 4096)):
+        options = {} if chunk is None else {"chunk_bytes": chunk}
+        root = str(tmp_path / name)
+        with checkpointd.CheckpointWriter(root, service=service.socket, **options) as writer:
+            before = _write_calls(service.proc.pid)
+            writer.save(1, state).result(60)
+            calls[name] = _write_calls(service.proc.pid) - before
+        assert torch.equal(checkpointd.load(root).state["model"]["w"], state["model"]["w"])
+    # 16 MiB in 4 KiB writes is 4096 calls; in the default 16 MiB chunks a handful.
+    assert calls["small"] >= 4096 > 10 * calls["default"], calls

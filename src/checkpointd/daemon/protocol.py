@@ -86,6 +86,8 @@ class OpenWriter(_Msg):
     max_concurrency: int = 8
     newer_steps: str = "error"
     incremental: bool = False
+    chunk_bytes: int | None = None
+    """Bytes per write call (the writer's ``chunk_bytes``); None: the service's default."""
     group: HostedGroup | None = None
     """A many-rank writer's group (ranks/hosted.py); None: the writer saves alone."""
 

@@ -92,6 +92,7 @@ def open_remote(
             max_concurrency=options.max_concurrency,
             newer_steps=options.newer_steps,
             incremental=options.incremental,
+            chunk_bytes=options.chunk_bytes,
             group=group,
         )
     except BaseException:
@@ -211,6 +212,7 @@ class RemoteService:
         max_concurrency: int,
         newer_steps: str,
         incremental: bool = False,
+        chunk_bytes: int | None = None,
         group: Group | None = None,
     ) -> None:
         self.conn = conn
@@ -242,6 +244,7 @@ class RemoteService:
             max_concurrency=max_concurrency,
             newer_steps=newer_steps,
             incremental=incremental,
+            chunk_bytes=chunk_bytes,
             group=None if group is None else group.hosted,
         )
         assert isinstance(reply, p.WriterOpened)

@@ -91,6 +91,9 @@ class Saves:
         )
         if not 1 <= message.max_pending <= 64 or not 1 <= message.max_concurrency <= 256:
             raise errors.InvalidArgumentError("max_pending or max_concurrency out of range")
+        chunk_bytes = tunables.CHUNK_BYTES if message.chunk_bytes is None else message.chunk_bytes
+        if chunk_bytes < 1:
+            raise errors.InvalidArgumentError(f"chunk_bytes {chunk_bytes} out of range")
         store = await anyio.to_thread.run_sync(open_store, message.root, message.storage_options)
         group = None
         if message.group is not None:
@@ -110,7 +113,7 @@ class Saves:
             message.newer_steps,  # type: ignore[arg-type]
             incremental=message.incremental,
             group=group,
-            chunk_bytes=tunables.CHUNK_BYTES,
+            chunk_bytes=chunk_bytes,
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)
