@@ -29,7 +29,17 @@ from checkpointd.state.stateful import component_state
 from checkpointd.state.tree import map_tree
 from checkpointd.storage import Store
 
-__all__ = ["Prepared", "apply_prepared", "prepare"]
+__all__ = ["PartlyLandedError", "Prepared", "apply_prepared", "prepare"]
+
+
+class PartlyLandedError(CorruptCheckpointError):
+    """Landing step ``step`` failed after bytes went into live tensors: the other state
+    was rolled back, the tensors of ``landed`` (component names) may hold a mix."""
+
+    def __init__(self, message: str, step: int, landed: list[str]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.landed = landed
 
 
 def _clone_tree(tree: Any) -> Any:
@@ -199,8 +209,10 @@ def apply_prepared(prepared: Prepared) -> None:
         _roll_back(targets, backups, touched)
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt and the like keep their type
-        raise CorruptCheckpointError(
+        raise PartlyLandedError(
             f"restore failed while reading tensors into their targets ({exc}); the other "
             f"state was rolled back, but tensors of {landed} may hold a mix of old and "
-            "restored values"
+            "restored values",
+            prepared.step,
+            landed,
         ) from exc

@@ -3,9 +3,12 @@ tensors (inplace.py says why the order is all or nothing): the check pass stream
 file through two reused chunk buffers, checks its CRC32C and copies its other tensors
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
 the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
-open: the service's memory tier) is checked where it lies and landed with one copy,
-without the second check. Blocking; the restoring thread (plus one helper
-thread per file while streaming)."""
+open: the service's memory tier) is read once: the check pass only copies its header and
+other tensors out, and the landing pass checksums the whole file block by block, copying
+each direct tensor's blocks into the live tensor while they are in cache; a mismatch
+there is a CorruptCheckpointError after the copy (restore.py then lands storage's copy
+of the step: inplace.py says why that stays all or nothing). Blocking; the restoring
+thread (plus one helper thread per file while streaming or landing)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 
 from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
-from checkpointd.format.checksum import crc32c_stream
+from checkpointd.format.checksum import Piece, crc32c_copy, crc32c_stream
 from checkpointd.format.header import TensorEntry
 from checkpointd.read.reader import StepReader
 from checkpointd.storage.base import MappedFile, PinnedFile
@@ -37,6 +40,8 @@ class Landing:
     entries: list[TensorEntry]
     direct: dict[str, torch.Tensor]
     crc32c: int
+    size: int
+    """The file's size, as the manifest says (already checked against the store's)."""
     header: bytes = b""
     kept: list[memoryview] = field(default_factory=list)
     """Byte views of the tensors that do not land directly, in file order."""
@@ -95,7 +100,7 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
     spans: list[tuple[memoryview, int | None]]
-    if isinstance(pinned, MappedFile):  # in memory already: checked where it lies
+    if isinstance(pinned, MappedFile):  # in memory: checked as it lands (land_file)
         spans = [(piece, None) for piece in pinned.views(0, size)]
     else:
         buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
@@ -122,7 +127,11 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
                     out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
             j += 1
 
-    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+    if isinstance(pinned, MappedFile):
+        for i, (view, _) in enumerate(spans):
+            extract(i, view)
+    else:
+        reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
     landing.header = bytes(header)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
@@ -143,10 +152,8 @@ def land_file(where: str, landing: Landing) -> None:
         return
     pinned = landing.pinned
     assert pinned is not None
-    if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
-        for e in landing.entries:
-            if (live := landing.direct.get(e.name)) is not None:
-                pinned.read_into(bytes_of(live), landing.start + e.begin)
+    if isinstance(pinned, MappedFile):
+        _land_mapped(where, landing, pinned)
         return
     spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
     kept = iter(landing.kept)
@@ -165,4 +172,34 @@ def land_file(where: str, landing: Landing) -> None:
             f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
             f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
             "file changed while it was being restored)"
+        )
+
+
+def _land_mapped(where: str, landing: Landing, mapped: MappedFile) -> None:
+    """Land a file in memory in one pass: every byte checksummed in order, the direct
+    tensors' bytes copied into the live tensors block by block on the way (two cores);
+    CorruptCheckpointError after the copy if the CRC32C is not the manifest's."""
+    dests = sorted(
+        (
+            (landing.start + e.begin, bytes_of(live))
+            for e in landing.entries
+            if (live := landing.direct.get(e.name)) is not None
+        ),
+        key=lambda item: item[0],
+    )
+    pieces: list[Piece] = []
+    at = 0
+    for begin, dest in dests:
+        pieces.extend((view, None) for view in mapped.views(at, begin - at))
+        offset = 0
+        for view in mapped.views(begin, len(dest)):
+            pieces.append((view, dest[offset : offset + len(view)]))
+            offset += len(view)
+        at = begin + len(dest)
+    pieces.extend((view, None) for view in mapped.views(at, landing.size - at))
+    digest = crc32c_copy(pieces)
+    if digest != landing.crc32c:
+        raise CorruptCheckpointError(
+            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes in memory does not "
+            f"match the manifest's {landing.crc32c:08x}"
         )

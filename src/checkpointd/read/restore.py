@@ -28,7 +28,7 @@ from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.maintain.lineage import note_resumed
 from checkpointd.ranks.group import place_in
 from checkpointd.read import catalog, inplace
-from checkpointd.read.apply import Prepared, apply_prepared, prepare
+from checkpointd.read.apply import PartlyLandedError, Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.reader import StepReader
 from checkpointd.state.tree import map_tree
@@ -253,7 +253,10 @@ def restore(
     service holds the step to restore (the newest committed one on storage, or
     ``step``) in memory, committed with the very manifest storage has, it is read
     from there, with every check made on storage (``info.source == "memory"``);
-    otherwise (no service, not held, a mismatch) from storage.
+    otherwise (no service, not held, a mismatch) from storage. Tensors that land
+    in place from memory are checked as they land (inplace.py): if that check
+    fails, storage's copy is restored over them; should that fail too,
+    CorruptCheckpointError says which components' tensors may hold a mix.
 
     ``process_group`` says which rank's per-rank components (``PerRank``, ``RNGState``)
     this process gets: None the default group's (this process alone without
@@ -262,6 +265,7 @@ def restore(
     restore itself makes no collective call.
     """
     place = place_in(process_group)
+    landed: PartlyLandedError | None = None
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
@@ -272,9 +276,21 @@ def restore(
                     return restore_from(
                         memory, targets, found, strict, source="memory", place=place
                     )
+                except PartlyLandedError as exc:
+                    landed = exc  # the copy failed its check as it landed: storage lands over it
                 except (CorruptCheckpointError, CheckpointNotFoundError):
-                    pass  # a damaged or partial copy: storage decides
-    return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)
+                    pass  # a damaged or partial copy, nothing changed: storage decides
+    store = open_store(str(root), storage_options)
+    if landed is None:
+        return restore_from(store, targets, step, strict, place=place)
+    try:  # the same step, so that every tensor the memory copy touched is written again
+        return restore_from(store, targets, landed.step, strict, place=place)
+    except CheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"the service's memory copy failed its CRC32C check while landing ({landed}), "
+            f"and restoring from storage failed too ({exc}): tensors of {landed.landed} "
+            "may hold a mix of old and restored values"
+        ) from exc
 
 
 def restore_from(
