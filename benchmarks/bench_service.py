@@ -8,10 +8,10 @@ Same state, interleaved repetitions, medians and ratios:
 - training step time while a save is in flight: in-process writer, the service at its
   default priority (niceness 10, I/O best effort 7) and at the trainer's (``--niceness 0
   --io-priority none``), with the time until durable of each;
-- kill -9 of a trainer at random moments after ``save()`` returned: how many of those
-  checkpoints committed, each checked bit-exact.
+- kill -9 of a trainer at random moments after ``save()`` returned (kill_trainers.py):
+  how many of those checkpoints committed, each checked bit-exact.
 
-``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 10]``
+``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 50]``
 (the default state is bench_save's 604 MB model); ``--smoke`` runs a tiny version.
 """
 
@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from benchmarks.common import (
     transformer,
     work_dir,
 )
+from benchmarks.kill_trainers import kill_trials
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,58 +78,6 @@ def _start_service(folder: str, *args: str) -> subprocess.Popen[bytes]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def _expected(step: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(step))
-
-
-def _kill_trial(socket: str, root: str, numel: int, chance: random.Random) -> tuple[int, int]:
-    """One trainer killed -9 right after a random save returned: (returned, committed
-    bit-exact) of its saves."""
-    kill_after = chance.randrange(0, 4)
-    code = (
-        "import sys, torch, checkpointd\n"
-        "from benchmarks.bench_service import _expected\n"
-        "socket, root, numel = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
-        "with checkpointd.CheckpointWriter(root, service=socket) as writer:\n"
-        "    for step in range(6):\n"
-        "        writer.save(step, {'model': {'w': _expected(step, numel)}})\n"
-        "        print('returned', step, flush=True)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, socket, root, str(numel)],
-        env=_env(),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    returned = -1
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        returned = int(line.split()[1])
-        if returned == kill_after:
-            time.sleep(chance.uniform(0, 0.005))
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait()
-    proc.stdout.close()
-    deadline = time.monotonic() + 120
-    good = 0
-    for step in range(returned + 1):
-        while step not in {c.step for c in _listed(root)} and time.monotonic() < deadline:
-            time.sleep(0.02)
-        try:
-            loaded = checkpointd.load(root, step)
-        except checkpointd.CheckpointError:
-            continue
-        good += torch.equal(loaded.state["model"]["w"], _expected(step, numel))
-    return returned + 1, good
-
-
-def _listed(root: str) -> list[checkpointd.CheckpointInfo]:
-    return checkpointd.list_checkpoints(root) if os.path.isdir(root) else []
 
 
 def _training_during_saves(
@@ -200,6 +147,21 @@ def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: 
         shutil.rmtree(plain, ignore_errors=True)
 
 
+def _kill_rows(folder: Path, nbytes: int, kills: int) -> dict[str, Any]:
+    """``kill_trainers.kill_trials`` against a service of its own, capped at 1 GiB of shared
+    memory (each trial's root keeps a copy in memory: the cap evicts them), each trainer
+    saving a tensor of at most 32 MB per step."""
+    sockets = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
+    service = _start_service(sockets, "--memory-limit", "1G")
+    try:
+        numel = max(1, min(nbytes // 4, 8 * 1024 * 1024))
+        return kill_trials(os.path.join(sockets, "sock"), folder, kills, numel, _env())
+    finally:
+        service.terminate()
+        service.wait(60)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
 def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[str, Any]:
     model = transformer(layers, width)
     state = {"model": model}
@@ -239,12 +201,7 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
             info = checkpointd.restore(str(folder / "inproc"), {"model": restored})
             table.add("restore.disk_cold", time.perf_counter() - started)
         _training_rows(folder, socket, model, reps, table)
-        chance = random.Random(0)
-        returned = committed = 0
-        numel = max(1, min(nbytes // 4, 16 * 1024 * 1024))
-        for trial in range(kills):
-            r, c = _kill_trial(socket, str(folder / f"kill{trial}"), numel, chance)
-            returned, committed = returned + r, committed + c
+        kill9 = _kill_rows(folder, nbytes, kills)
     finally:
         service.terminate()
         service.wait(60)
@@ -269,7 +226,7 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
                 "train.service_nice0.durable", "train.inproc.durable"
             ),
         },
-        "kill9": {"trainers": kills, "returned": returned, "committed_bit_exact": committed},
+        "kill9": kill9,
         "table": table,
     }
 
@@ -300,8 +257,9 @@ def report(results: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<44} {value:.2f}x")
     kill = results["kill9"]
     lines.append(
-        f"  kill -9 after save() returned: {kill['committed_bit_exact']} of {kill['returned']} "
-        f"returned saves committed bit-exact ({kill['trainers']} trainers)"
+        f"  kill -9 after save() returned: {kill['killed']} trainers killed, "
+        f"{kill['committed_bit_exact']} of {kill['returned']} returned saves committed "
+        f"bit-exact ({kill['seconds']:.0f} s)"
     )
     return lines
 
@@ -311,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--kills", type=int, default=10, help="trainers killed -9 (default 10)")
+    parser.add_argument("--kills", type=int, default=50, help="trainers killed -9 (default 50)")
     parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="a tiny state, 2 reps, 1 kill")
