@@ -5,10 +5,9 @@ overlapped save is staged."""
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -23,9 +22,10 @@ from checkpointd.write.capture import BufferPool
 from tests.support.service import (
     Service,
     files_by_component,
-    reap,
+    kill_at_line,
     running_service,
     trainer,
+    wait_for,
 )
 
 
@@ -42,14 +42,6 @@ def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model(torch.randn(8, 16)).sum().backward()
     optimizer.step()
     return model, optimizer
-
-
-def _wait_for(condition: Callable[[], bool], seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the condition")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -149,7 +141,7 @@ def test_a_failed_overlapped_copy_fails_the_handle_and_frees_the_segment(
         handle = writer.save(1, state)
         with pytest.raises(StagingError, match="device lost"):
             handle.result(60)
-        _wait_for(lambda: status(service.socket).bytes_staged == 0)
+        wait_for(lambda: status(service.socket).bytes_staged == 0)
         assert checkpointd.list_checkpoints(root) == []
         monkeypatch.undo()
         assert writer.save(2, state).result(60).step == 2  # the writer goes on
@@ -160,20 +152,9 @@ def test_a_trainer_killed_once_its_overlapped_save_is_staged_still_commits(
     service: Service, tmp_path: Path
 ) -> None:
     root = str(tmp_path / "root")
-    proc = trainer(service.socket, root, 3, "overlapped")
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == "staged 1":
-                proc.send_signal(signal.SIGKILL)
-                break
-        else:
-            raise AssertionError("the trainer ended before that save was staged")
-    finally:
-        err = reap(proc)
-    assert proc.returncode == -signal.SIGKILL, err
-    _wait_for(lambda: {0, 1} <= {c.step for c in checkpointd.list_checkpoints(root)})
-    _wait_for(lambda: status(service.socket).saves_in_flight == 0)
+    kill_at_line(trainer(service.socket, root, 3, "overlapped"), "staged 1")
+    wait_for(lambda: {0, 1} <= {c.step for c in checkpointd.list_checkpoints(root)})
+    wait_for(lambda: status(service.socket).saves_in_flight == 0)
     from tests.support.service_jobs import expected_state
 
     for step in (0, 1):
