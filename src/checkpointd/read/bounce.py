@@ -1,0 +1,198 @@
+"""Stored bytes to device memory through a small reused host bounce buffer.
+
+A tensor on an accelerator cannot be read into: its bytes are read from storage into
+host staging, checksummed there, and copied to the device. ``Bounce`` holds two staging
+blocks of ``tunables.BOUNCE_BYTES / 2`` (pinned for CUDA, so the host-to-device copy
+is a non-blocking DMA) and alternates between them through ``crc32c_stream``: block
+k+1 is read by its helper thread while block k is checksummed and copied, and a block
+is reused only after the copy out of it is known complete (a recorded CUDA event,
+waited on the host). The device is reached through a ``Transfer`` (a target device,
+whether staging is pinned, a copy and a wait), so the same path runs on a CPU
+"device" (``tunables.BOUNCE_CPU_TARGETS``: the tests, on machines without a GPU).
+``stream`` returns the CRC32C of everything it passed; the caller compares it with the
+manifest before it trusts what landed (landing.py for restore, todevice.py for load).
+
+Blocking; one thread at a time per ``Bounce`` (a lock serialises users; the helper
+thread of ``crc32c_stream`` reads while the caller's thread checksums and copies).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+import torch
+
+from checkpointd import tunables
+from checkpointd.format.checksum import Span, crc32c_stream
+
+__all__ = ["Bounce", "CudaTransfer", "HostTransfer", "Piece", "Transfer", "transfer_for"]
+
+
+class Transfer(Protocol):
+    """How host bytes reach one device: ``copy`` may return before the copy is done;
+    ``wait`` blocks until every copy issued so far has read its source."""
+
+    device: torch.device
+    pinned: bool
+    """Whether staging is allocated in page-locked memory (required for an
+    asynchronous host-to-device copy)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass
+class HostTransfer:
+    """A CPU "device": a plain synchronous copy out of unpinned staging."""
+
+    device: torch.device
+    pinned: bool = False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def wait(self) -> None:
+        return None
+
+
+class CudaTransfer:
+    """A CUDA device: non-blocking copies out of pinned staging on the device's current
+    stream (so they follow the work already queued on it), each followed by an event
+    that ``wait`` synchronises on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = True
+        self._event: torch.cuda.Event | None = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(dst.device))
+        self._event = event
+
+    def wait(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            event.synchronize()
+
+
+def transfer_for(device: torch.device) -> Transfer | None:
+    """The transfer that lands bytes on ``device``, or None where they are read straight
+    into its memory (CPU, unless ``tunables.BOUNCE_CPU_TARGETS``) or the device is not
+    one this path knows (those keep the plain path: read on host, then ``copy_``)."""
+    if device.type == "cuda":
+        return CudaTransfer(device)
+    if device.type == "cpu" and tunables.BOUNCE_CPU_TARGETS:
+        return HostTransfer(device)
+    return None
+
+
+def needs_bounce(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes land through a ``Bounce`` rather than being read into."""
+    return transfer_for(tensor.device) is not None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes of a file to land in ``dst`` (a flat uint8 tensor, on its device) read from
+    ``offset`` of the file."""
+
+    dst: torch.Tensor
+    offset: int
+
+
+class Bounce:
+    """Two reused staging blocks and the streaming through them. Allocated on first use
+    (pinned if the first transfer wants it), freed by ``close`` (or the ``with`` block)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: list[torch.Tensor] = []
+        self._transfers: dict[torch.device, Transfer] = {}
+
+    def __enter__(self) -> Bounce:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the staging blocks (after every copy out of them has completed)."""
+        with self._lock:
+            self._blocks = []
+            self._transfers = {}
+
+    def held_bytes(self) -> int:
+        """Host memory the staging blocks hold now (0 before first use and after ``close``)."""
+        return sum(block.numel() for block in self._blocks)
+
+    def _transfer(self, device: torch.device) -> Transfer:
+        transfer = self._transfers.get(device)
+        if transfer is None:
+            found = transfer_for(device)
+            transfer = HostTransfer(device) if found is None else found
+            self._transfers[device] = transfer
+        return transfer
+
+    def _staging(self, pinned: bool) -> list[torch.Tensor]:
+        block = max(1, tunables.BOUNCE_BYTES // 2)
+        if not self._blocks or self._blocks[0].is_pinned() != pinned:
+            self._blocks = [
+                torch.empty(block, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
+            ]
+        return self._blocks
+
+    def stream(
+        self,
+        read: Callable[[memoryview, int], None],
+        items: Sequence[memoryview | Piece],
+    ) -> int:
+        """The CRC32C of ``items`` in file order: a memoryview is bytes already in host
+        memory (checksummed as they are), a ``Piece`` is read through the staging blocks,
+        a block at a time by ``read(view, offset)``, and copied into its ``dst``. Every
+        copy has completed when this returns or raises."""
+        with self._lock:
+            used = {i.dst.device for i in items if isinstance(i, Piece)}
+            transfers = [self._transfer(device) for device in used]
+            pinned = any(t.pinned for t in transfers)
+            blocks = self._staging(pinned) if transfers else []
+            spans: list[Span] = []
+            copies: dict[int, tuple[Transfer, torch.Tensor, torch.Tensor]] = {}
+            for item in items:
+                if not isinstance(item, Piece):
+                    spans.append((item, None))
+                    continue
+                transfer = self._transfer(item.dst.device)
+                size = item.dst.numel()
+                for at in range(0, size, blocks[0].numel()):
+                    staging = blocks[len(copies) % 2]
+                    n = min(staging.numel(), size - at)
+                    copies[len(spans)] = (transfer, item.dst[at : at + n], staging[:n])
+                    spans.append((staging[:n].numpy().data.cast("B"), item.offset + at))
+
+            def after(index: int, _: memoryview) -> None:
+                # Runs before span index + 2 is read, possibly into the same block: the
+                # copy out of it must be done by then (the next block is being read
+                # meanwhile by the helper thread).
+                found = copies.get(index)
+                if found is not None:
+                    transfer, dst, src = found
+                    transfer.copy(dst, src)
+                    transfer.wait()
+
+            try:
+                return crc32c_stream(spans, read, after)
+            finally:
+                for transfer in transfers:
+                    transfer.wait()
