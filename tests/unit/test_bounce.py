@@ -160,7 +160,8 @@ def test_restore_through_the_bounce_path_is_bit_exact(root: Root, forced: list[i
     assert torch.equal(weights, live_weights)
     assert {k: v.data_ptr() for k, v in live_model.state_dict().items()} == pointers
     if root.kind == "local":  # pinned files land through the blocks; others copy whole
-        assert forced and max(forced) == BLOCK
+        assert forced
+        assert max(forced) == BLOCK
         assert sum(forced) >= weights.numel() * 4 + model.big.numel() * 4
 
 
@@ -226,10 +227,13 @@ def test_load_to_a_device_through_the_bounce_path(root: Root, forced: list[int])
     assert _equal(optimizer.state_dict()["state"], loaded.state["optimizer"]["state"])
     assert loaded.state["step"] == 7
     if root.kind == "local":
-        assert forced and max(forced) == BLOCK
+        assert forced
+        assert max(forced) == BLOCK
 
 
-def test_load_to_a_device_refuses_damage_and_falls_back(local_root: Root, forced: list[int]) -> None:
+def test_load_to_a_device_refuses_damage_and_falls_back(
+    local_root: Root, forced: list[int]
+) -> None:
     old, _ = _trained(0)
     new, _ = _trained(1)
     _save(local_root, {"model": old}, step=1)
@@ -269,7 +273,8 @@ def test_cuda_restore_lands_through_pinned_staging(
 
     monkeypatch.setattr(bounce.CudaTransfer, "copy", spy)
     checkpointd.restore(local_root.url, {"model": live_model, "optimizer": live_optimizer})
-    assert pinned and all(pinned)
+    assert pinned
+    assert all(pinned)
     assert {k: v.data_ptr() for k, v in live_model.state_dict().items()} == pointers
     assert _equal(model.state_dict(), {k: v.cpu() for k, v in live_model.state_dict().items()})
     saved = optimizer.state_dict()["state"]

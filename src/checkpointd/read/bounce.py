@@ -114,6 +114,7 @@ class Bounce:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._blocks: list[torch.Tensor] = []
+        self._pinned = False
         self._transfers: dict[torch.device, Transfer] = {}
 
     def __enter__(self) -> Bounce:
@@ -147,10 +148,12 @@ class Bounce:
 
     def _staging(self, pinned: bool) -> list[torch.Tensor]:
         block = max(1, tunables.BOUNCE_BYTES // 2)
-        if not self._blocks or self._blocks[0].is_pinned() != pinned:
+        if not self._blocks or self._pinned != pinned or self._blocks[0].numel() != block:
+            self._blocks = []  # the old pair is freed before the new one is allocated
             self._blocks = [
                 torch.empty(block, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
             ]
+            self._pinned = pinned
         return self._blocks
 
     def stream(

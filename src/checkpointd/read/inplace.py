@@ -8,7 +8,9 @@ whose ``load_state_dict`` is known to either copy each tensor into its own memor
 (``nn.Module``, a tensor) or adopt the given tensors as they are (``torch.optim``
 optimizers, a dict), every stored tensor whose live counterpart is a contiguous CPU
 tensor of the same dtype and shape is a *direct* tensor: its bytes are read into the
-live tensor's memory, once, instead of into fresh memory that is then copied.
+live tensor's memory, once, instead of into fresh memory that is then copied. A CUDA
+live tensor is direct too: its bytes land through a reused pinned bounce buffer
+(bounce.py) in step 3, the order and the checks being the same.
 
 Why that stays all or nothing, with at most two ``tunables.READ_CHUNK_BYTES`` buffers
 of extra memory for the direct tensors:

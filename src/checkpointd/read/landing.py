@@ -4,7 +4,8 @@ file through two reused chunk buffers, checks its CRC32C and copies its other te
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
 the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
 open: the service's memory tier) is checked where it lies and landed with one copy,
-without the second check. Blocking; the restoring thread (plus one helper
+without the second check. Direct tensors on a device land through a ``bounce.Bounce``
+(read a block at a time into pinned staging, checked, copied). Blocking; the restoring thread (plus one helper
 thread per file while streaming)."""
 
 from __future__ import annotations
