@@ -27,9 +27,9 @@ from typing import Protocol
 import torch
 
 from checkpointd import tunables
-from checkpointd.format.checksum import Span, crc32c_stream
+from checkpointd.format.checksum import Span, crc32c_each, crc32c_stream
 
-__all__ = ["Bounce", "CudaTransfer", "HostTransfer", "Piece", "Transfer", "transfer_for"]
+__all__ = ["Block", "Bounce", "CudaTransfer", "HostTransfer", "Piece", "Transfer", "transfer_for"]
 
 
 class Transfer(Protocol):
@@ -107,6 +107,17 @@ class Piece:
     offset: int
 
 
+@dataclass(frozen=True)
+class Block:
+    """``length`` bytes read from ``offset`` of a file into a staging block, then, for each
+    (dst, begin, end) of ``copies``, bytes [begin, end) of it copied into ``dst`` (a
+    flat uint8 tensor of exactly end - begin bytes, on its device)."""
+
+    length: int
+    offset: int
+    copies: tuple[tuple[torch.Tensor, int, int], ...]
+
+
 class Bounce:
     """Two reused staging blocks and the streaming through them. Allocated on first use
     (pinned if the first transfer wants it), freed by ``close`` (or the ``with`` block)."""
@@ -146,8 +157,9 @@ class Bounce:
             self._transfers[device] = transfer
         return transfer
 
-    def _staging(self, pinned: bool) -> list[torch.Tensor]:
-        block = max(1, tunables.BOUNCE_BYTES // 2)
+    def _staging(self, pinned: bool, least: int) -> list[torch.Tensor]:
+        """The two staging blocks, of ``BOUNCE_BYTES / 2`` or ``least`` bytes if more."""
+        block = max(1, tunables.BOUNCE_BYTES // 2, least)
         if not self._blocks or self._pinned != pinned or self._blocks[0].numel() != block:
             self._blocks = []  # the old pair is freed before the new one is allocated
             self._blocks = [
@@ -165,37 +177,66 @@ class Bounce:
         memory (checksummed as they are), a ``Piece`` is read through the staging blocks,
         a block at a time by ``read(view, offset)``, and copied into its ``dst``. Every
         copy has completed when this returns or raises."""
+        size = max(1, tunables.BOUNCE_BYTES // 2)
+        spans: list[memoryview | Block] = []
+        for item in items:
+            if isinstance(item, memoryview):
+                spans.append(item)
+                continue
+            total = item.dst.numel()
+            for at in range(0, total, size):
+                n = min(size, total - at)
+                spans.append(Block(n, item.offset + at, ((item.dst[at : at + n], 0, n),)))
+        return self.run(read, spans, chained=True)[-1] if spans else 0
+
+    def run(
+        self,
+        read: Callable[[memoryview, int], None],
+        items: Sequence[memoryview | Block],
+        *,
+        chained: bool,
+    ) -> list[int]:
+        """``chained``: [the CRC32C of all ``items``], else the CRC32C of each item on its
+        own (per-block digests), in file order: a memoryview is checksummed where it is,
+        a ``Block`` read into one of the two staging blocks (alternately), checksummed
+        there, and copied out. Every copy has completed when this returns or raises."""
         with self._lock:
-            used = {i.dst.device for i in items if isinstance(i, Piece)}
+            blocks = [i for i in items if isinstance(i, Block)]
+            used = {dst.device for b in blocks for dst, _, _ in b.copies}
             transfers = [self._transfer(device) for device in used]
-            pinned = any(t.pinned for t in transfers)
-            blocks = self._staging(pinned) if transfers else []
+            staging = self._staging(
+                any(t.pinned for t in transfers), max((b.length for b in blocks), default=1)
+            )
             spans: list[Span] = []
-            copies: dict[int, tuple[Transfer, torch.Tensor, torch.Tensor]] = {}
+            copies: dict[int, tuple[Block, torch.Tensor]] = {}  # span -> block, staging
             for item in items:
-                if not isinstance(item, Piece):
+                if isinstance(item, memoryview):
                     spans.append((item, None))
                     continue
-                transfer = self._transfer(item.dst.device)
-                size = item.dst.numel()
-                for at in range(0, size, blocks[0].numel()):
-                    staging = blocks[len(copies) % 2]
-                    n = min(staging.numel(), size - at)
-                    copies[len(spans)] = (transfer, item.dst[at : at + n], staging[:n])
-                    spans.append((staging[:n].numpy().data.cast("B"), item.offset + at))
+                src = staging[len(copies) % 2][: item.length]
+                copies[len(spans)] = (item, src)
+                spans.append((src.numpy().data.cast("B"), item.offset))
 
             def after(index: int, _: memoryview) -> None:
-                # Runs before span index + 2 is read, possibly into the same block: the
-                # copy out of it must be done by then (the next block is being read
-                # meanwhile by the helper thread).
+                # Runs before span index + 2 is read, possibly into the same staging
+                # block: its copies must be done by then (the next block is being read
+                # meanwhile, by the helper thread).
                 found = copies.get(index)
-                if found is not None:
-                    transfer, dst, src = found
-                    transfer.copy(dst, src)
-                    transfer.wait()
+                if found is None:
+                    return
+                block, src = found
+                done: set[torch.device] = set()
+                for dst, begin, end in block.copies:
+                    transfer = self._transfer(dst.device)
+                    transfer.copy(dst, src[begin:end])
+                    done.add(dst.device)
+                for device in done:
+                    self._transfer(device).wait()
 
             try:
-                return crc32c_stream(spans, read, after)
+                if chained:
+                    return [crc32c_stream(spans, read, after)] if spans else []
+                return crc32c_each(spans, read, after)
             finally:
                 for transfer in transfers:
                     transfer.wait()

@@ -338,8 +338,8 @@ def land(where: str, planned: Planned, staging: Bounce | None = None) -> None:
                 # As an in-place copy would: autograd then refuses a backward through a
                 # graph that saved the old values, instead of using the new ones silently.
                 torch.autograd.graph.increment_version(live)
-    if planned.boxes is not None:
-        planned.boxes.land(where)
+        if planned.boxes is not None:
+            planned.boxes.land(where, staging or own)
 
 
 def release(planned: list[Planned]) -> None:
