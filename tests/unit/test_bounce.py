@@ -303,3 +303,10 @@ def test_cuda_load_map_location(local_root: Root, monkeypatch: pytest.MonkeyPatc
     state = loaded.state["model"]
     assert all(t.is_cuda for t in state.values())
     assert _equal(model.state_dict(), {k: v.cpu() for k, v in state.items()})
+
+
+@needs_cuda
+def test_cuda_without_an_index_is_the_calling_threads_device() -> None:
+    found = bounce.resolved(torch.device("cuda"))
+    assert found == torch.device("cuda", torch.cuda.current_device())
+    assert bounce.resolved(torch.device("cpu")) == torch.device("cpu")

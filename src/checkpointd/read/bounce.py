@@ -29,7 +29,17 @@ import torch
 from checkpointd import tunables
 from checkpointd.format.checksum import Span, crc32c_each, crc32c_stream
 
-__all__ = ["Block", "Bounce", "CudaTransfer", "HostTransfer", "Piece", "Transfer", "transfer_for"]
+__all__ = [
+    "Block",
+    "Bounce",
+    "CudaTransfer",
+    "HostTransfer",
+    "Piece",
+    "Transfer",
+    "needs_bounce",
+    "resolved",
+    "transfer_for",
+]
 
 
 class Transfer(Protocol):
@@ -91,6 +101,15 @@ def transfer_for(device: torch.device) -> Transfer | None:
     if device.type == "cpu" and tunables.BOUNCE_CPU_TARGETS:
         return HostTransfer(device)
     return None
+
+
+def resolved(device: torch.device) -> torch.device:
+    """``device`` with its index filled in from the calling thread's current CUDA device
+    ("cuda" means that one; reading threads would otherwise take their own, device 0)."""
+    index: int | None = device.index  # torch's stubs say int; "cuda" has None
+    if device.type == "cuda" and index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def needs_bounce(tensor: torch.Tensor) -> bool:

@@ -152,7 +152,7 @@ def _load_from(
             f"(it has: {', '.join(manifest.components)})"
         )
     reader = StepReader(store, step, manifest, verify=verify)
-    device = None if map_location is None else torch.device(map_location)
+    device = None if map_location is None else bounce.resolved(torch.device(map_location))
     with (
         bounce.Bounce() as staging,  # closed after the pool has joined its threads
         concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool,
