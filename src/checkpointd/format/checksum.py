@@ -10,6 +10,7 @@ import numpy as np
 
 __all__ = [
     "BytesLike",
+    "CopyPiece",
     "crc32c",
     "crc32c_combine",
     "crc32c_copy",
@@ -184,7 +185,7 @@ def _in_memory(spans: Sequence[Span], after: Callable[[int, memoryview], None] |
     return digest
 
 
-Piece = tuple[memoryview, memoryview | None]
+CopyPiece = tuple[memoryview, memoryview | None]
 """Bytes in memory, in order, and where to copy them (None: checksummed only)."""
 
 _BLOCK = 1 << 20
@@ -195,7 +196,7 @@ _ONE_CORE = 8 << 20
 """Below this many bytes ``crc32c_copy`` stays on the caller's thread."""
 
 
-def crc32c_copy(pieces: Sequence[Piece]) -> int:
+def crc32c_copy(pieces: Sequence[CopyPiece]) -> int:
     """The CRC32C of the pieces' bytes in order, copying each piece into its destination
     (of the same length) on the way, block by block: each block is read from memory once,
     checksummed, then copied while it is still in cache. On two cores (the first half of
@@ -205,8 +206,8 @@ def crc32c_copy(pieces: Sequence[Piece]) -> int:
     if total < _ONE_CORE:
         return _copy_chain(pieces)
     half = total // 2
-    first: list[Piece] = []
-    second: list[Piece] = []
+    first: list[CopyPiece] = []
+    second: list[CopyPiece] = []
     at = 0
     for source, dest in pieces:
         cut = min(max(half - at, 0), len(source))
@@ -219,7 +220,7 @@ def crc32c_copy(pieces: Sequence[Piece]) -> int:
         return crc32c_combine(head.result(), tail, total - half)
 
 
-def _copy_chain(pieces: Sequence[Piece]) -> int:
+def _copy_chain(pieces: Sequence[CopyPiece]) -> int:
     digest = 0
     for source, dest in pieces:
         for at in range(0, len(source), _BLOCK):
