@@ -147,6 +147,24 @@ def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: 
         shutil.rmtree(plain, ignore_errors=True)
 
 
+RATIOS = [
+    ("blocked service/inproc", "service.blocked", "inproc.blocked"),
+    ("durable service/inproc", "service.durable", "inproc.durable"),
+    ("restore memory/memcpy", "restore.memory", "memcpy"),
+    ("restore disk_cold/memory", "restore.disk_cold", "restore.memory"),
+    ("train step during save inproc/idle", "train.inproc", "train.idle"),
+    ("train step during save service/idle", "train.service", "train.idle"),
+    ("train step during save service_nice0/idle", "train.service_nice0", "train.idle"),
+    ("durable while training service/inproc", "train.service.durable", "train.inproc.durable"),
+    (
+        "durable while training service_nice0/inproc",
+        "train.service_nice0.durable",
+        "train.inproc.durable",
+    ),
+]
+"""(label, numerator series, denominator series) of the ratios reported (of medians)."""
+
+
 def _kill_rows(folder: Path, nbytes: int, kills: int) -> dict[str, Any]:
     """``kill_trainers.kill_trials`` against a service of its own, capped at 1 GiB of shared
     memory (each trial's root keeps a copy in memory: the cap evicts them), each trainer
@@ -162,7 +180,9 @@ def _kill_rows(folder: Path, nbytes: int, kills: int) -> dict[str, Any]:
         shutil.rmtree(sockets, ignore_errors=True)
 
 
-def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[str, Any]:
+def run(  # noqa: PLR0917 - main's arguments, passed on
+    layers: int, width: int, reps: int, kills: int, folder: Path, training: bool = True
+) -> dict[str, Any]:
     model = transformer(layers, width)
     state = {"model": model}
     nbytes = nbytes_of(state)
@@ -192,6 +212,7 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
                     table.add(f"{name}.{kind}durable", handle.durable_seconds)
         restored = transformer(layers, width, seed=1)
         for _ in range(reps):
+            table.add("memcpy", memcpy_floor(sources, targets))  # beside each restore too
             started = time.perf_counter()
             info = checkpointd.restore(str(folder / "svc"), {"model": restored}, service=socket)
             table.add("restore.memory", time.perf_counter() - started)
@@ -200,7 +221,8 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
             started = time.perf_counter()
             info = checkpointd.restore(str(folder / "inproc"), {"model": restored})
             table.add("restore.disk_cold", time.perf_counter() - started)
-        _training_rows(folder, socket, model, reps, table)
+        if training:
+            _training_rows(folder, socket, model, reps, table)
         kill9 = _kill_rows(folder, nbytes, kills)
     finally:
         service.terminate()
@@ -210,21 +232,9 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
         "nbytes": nbytes,
         "series": table.as_json(),
         "ratios": {
-            "blocked service/inproc": table.ratio("service.blocked", "inproc.blocked"),
-            "durable service/inproc": table.ratio("service.durable", "inproc.durable"),
-            "restore memory/memcpy": table.ratio("restore.memory", "memcpy"),
-            "restore disk_cold/memory": table.ratio("restore.disk_cold", "restore.memory"),
-            "train step during save inproc/idle": table.ratio("train.inproc", "train.idle"),
-            "train step during save service/idle": table.ratio("train.service", "train.idle"),
-            "train step during save service_nice0/idle": table.ratio(
-                "train.service_nice0", "train.idle"
-            ),
-            "durable while training service/inproc": table.ratio(
-                "train.service.durable", "train.inproc.durable"
-            ),
-            "durable while training service_nice0/inproc": table.ratio(
-                "train.service_nice0.durable", "train.inproc.durable"
-            ),
+            label: table.ratio(numerator, denominator)
+            for label, numerator, denominator in RATIOS
+            if numerator in table.series and denominator in table.series
         },
         "kill9": kill9,
         "table": table,
@@ -252,7 +262,8 @@ def report(results: dict[str, Any]) -> list[str]:
         "train.service.durable",
         "train.service_nice0.durable",
     ):
-        lines.append(f"  {name:<28} {fmt_seconds(table[name])}")
+        if name in table.series:  # (no training rows with --no-training)
+            lines.append(f"  {name:<28} {fmt_seconds(table[name])}")
     for name, value in results["ratios"].items():
         lines.append(f"  {name:<44} {value:.2f}x")
     kill = results["kill9"]
@@ -272,13 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=50, help="trainers killed -9 (default 50)")
     parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--no-training", action="store_true", help="leave out the training-step rows"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny state, 2 reps, 1 kill")
     args = parser.parse_args(argv)
     if args.smoke:
         args.layers, args.width, args.reps, args.kills = 1, 64, 2, 1
     parent = pick_folder(args.dir, 0)
     with work_dir(parent, "service") as folder:
-        results = run(args.layers, args.width, args.reps, args.kills, folder)
+        results = run(args.layers, args.width, args.reps, args.kills, folder, not args.no_training)
     print("\n".join(report(results)))
     if args.json:
         shown = {k: v for k, v in results.items() if k != "table"}
