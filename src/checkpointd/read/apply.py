@@ -30,17 +30,7 @@ from checkpointd.state.stateful import component_state
 from checkpointd.state.tree import map_tree
 from checkpointd.storage import Store
 
-__all__ = ["PartlyLandedError", "Prepared", "apply_prepared", "prepare"]
-
-
-class PartlyLandedError(CorruptCheckpointError):
-    """Landing step ``step`` failed after bytes went into live tensors: the other state
-    was rolled back, the tensors of ``landed`` (component names) may hold a mix."""
-
-    def __init__(self, message: str, step: int, landed: list[str]) -> None:
-        super().__init__(message)
-        self.step = step
-        self.landed = landed
+__all__ = ["Prepared", "apply_prepared", "prepare"]
 
 
 def _clone_tree(tree: Any) -> Any:
@@ -167,9 +157,11 @@ def prepare(
     )
 
 
-def apply_prepared(prepared: Prepared) -> None:
+def apply_prepared(prepared: Prepared, landed: list[str] | None = None) -> None:
     """Fit checks, then load every target (rolled back if one refuses), then land the
-    direct tensors' bytes (inplace.py explains why this order is all or nothing)."""
+    direct tensors' bytes (inplace.py explains why this order is all or nothing).
+    ``landed`` gets the names of the components landing began on, in order: after a
+    CorruptCheckpointError, those whose tensors may hold a mix."""
     targets, names, planned = prepared.targets, prepared.names, prepared.planned
     for name in names:
         check_fits(name, targets[name], planned[name].tree, targets)
@@ -200,7 +192,7 @@ def apply_prepared(prepared: Prepared) -> None:
             f"target(s) {lost} did not keep their own tensors when loading; nothing was "
             "changed (please report this as a checkpointd bug)"
         )
-    landed: list[str] = []
+    landed = [] if landed is None else landed
     try:
         with Bounce() as staging:  # one bounce buffer for every device tensor landed
             for name in names:
@@ -211,10 +203,8 @@ def apply_prepared(prepared: Prepared) -> None:
         _roll_back(targets, backups, touched)
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt and the like keep their type
-        raise PartlyLandedError(
+        raise CorruptCheckpointError(
             f"restore failed while reading tensors into their targets ({exc}); the other "
             f"state was rolled back, but tensors of {landed} may hold a mix of old and "
-            "restored values",
-            prepared.step,
-            landed,
+            "restored values"
         ) from exc

@@ -28,7 +28,7 @@ from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.maintain.lineage import note_resumed
 from checkpointd.ranks.group import place_in
 from checkpointd.read import bounce, catalog, inplace, todevice
-from checkpointd.read.apply import PartlyLandedError, Prepared, apply_prepared, prepare
+from checkpointd.read.apply import Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.reader import StepReader
 from checkpointd.state.tree import map_tree
@@ -274,7 +274,8 @@ def restore(
     restore itself makes no collective call.
     """
     place = place_in(process_group)
-    landed: PartlyLandedError | None = None
+    landed: list[str] = []  # components the memory copy began landing in
+    failed: tuple[int, CheckpointError] | None = None
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
@@ -283,21 +284,21 @@ def restore(
                 memory, found = held
                 try:
                     return restore_from(
-                        memory, targets, found, strict, source="memory", place=place
+                        memory, targets, found, strict, source="memory", place=place, landed=landed
                     )
-                except PartlyLandedError as exc:
-                    landed = exc  # the copy failed its check as it landed: storage lands over it
-                except (CorruptCheckpointError, CheckpointNotFoundError):
-                    pass  # a damaged or partial copy, nothing changed: storage decides
+                except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                    # A damaged or partial copy: storage decides. If it failed its check as
+                    # it landed, storage's copy of that step lands over it.
+                    failed = (found, exc) if landed else None
     store = open_store(str(root), storage_options)
-    if landed is None:
+    if failed is None:
         return restore_from(store, targets, step, strict, place=place)
     try:  # the same step, so that every tensor the memory copy touched is written again
-        return restore_from(store, targets, landed.step, strict, place=place)
+        return restore_from(store, targets, failed[0], strict, place=place)
     except CheckpointError as exc:
         raise CorruptCheckpointError(
-            f"the service's memory copy failed its CRC32C check while landing ({landed}), "
-            f"and restoring from storage failed too ({exc}): tensors of {landed.landed} "
+            f"the service's memory copy failed its check while landing ({failed[1]}), "
+            f"and restoring from storage failed too ({exc}): tensors of {landed} "
             "may hold a mix of old and restored values"
         ) from exc
 
@@ -310,9 +311,11 @@ def restore_from(
     *,
     source: str = "storage",
     place: tuple[int, int] = (0, 1),
+    landed: list[str] | None = None,
 ) -> RestoreInfo:
     """``restore`` from an open ``store`` (closed here); ``source`` goes in the info,
-    ``place`` is this process's (rank, world size) in the group that restores."""
+    ``place`` is this process's (rank, world size) in the group that restores,
+    ``landed`` as ``apply_prepared``'s."""
     try:
 
         def attempt(found: int, manifest: Manifest) -> Prepared:
@@ -322,7 +325,7 @@ def restore_from(
     finally:
         store.close()
     try:
-        apply_prepared(prepared)
+        apply_prepared(prepared, landed)
     finally:
         inplace.release(list(prepared.planned.values()))
     names = prepared.names
