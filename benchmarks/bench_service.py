@@ -4,7 +4,9 @@ Same state, interleaved repetitions, medians and ratios:
 - ``save()`` blocked and time until durable, in-process vs through the service (the
   first two saves of each apart: they allocate);
 - a restart's ``restore``: from the service's memory tier vs from local disk with the
-  checkpoint's pages evicted (posix_fadvise), beside the memcpy of the state;
+  checkpoint's pages evicted (posix_fadvise), beside the memcpy of the state; and the
+  CPU seconds of the memory restore beside those of a one-thread memcpy (the work
+  ratio, which a busy machine's load does not bend as it bends wall times);
 - training step time while a save is in flight: in-process writer, the service at its
   default priority (niceness 10, I/O best effort 7) and at the trainer's (``--niceness 0
   --io-priority none``), with the time until durable of each;
@@ -20,14 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import checkpointd
@@ -147,11 +152,29 @@ def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: 
         shutil.rmtree(plain, ignore_errors=True)
 
 
+def _cpu_seconds(work: Callable[[], object] | None = None) -> float:
+    """CPU seconds this process (all its threads) spent: so far, or in ``work``."""
+    if work is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    before = _cpu_seconds()
+    work()
+    return _cpu_seconds() - before
+
+
+def _copy_one_thread(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    """The memcpy of the state on one thread (numpy): its CPU time is the copy's work,
+    without the wait of torch's intra-op threads for a core on a busy machine."""
+    for source, target in zip(sources, targets, strict=True):
+        np.copyto(target.numpy(), source.detach().numpy())
+
+
 RATIOS = [
     ("blocked service/inproc", "service.blocked", "inproc.blocked"),
     ("durable service/inproc", "service.durable", "inproc.durable"),
     ("restore memory/memcpy", "restore.memory", "memcpy"),
     ("restore disk_cold/memory", "restore.disk_cold", "restore.memory"),
+    ("restore memory CPU / one-thread memcpy CPU", "restore.memory.cpu", "memcpy.cpu"),
     ("train step during save inproc/idle", "train.inproc", "train.idle"),
     ("train step during save service/idle", "train.service", "train.idle"),
     ("train step during save service_nice0/idle", "train.service_nice0", "train.idle"),
@@ -213,9 +236,11 @@ def run(  # noqa: PLR0917 - main's arguments, passed on
         restored = transformer(layers, width, seed=1)
         for _ in range(reps):
             table.add("memcpy", memcpy_floor(sources, targets))  # beside each restore too
-            started = time.perf_counter()
+            table.add("memcpy.cpu", _cpu_seconds(lambda: _copy_one_thread(sources, targets)))
+            started, cpu = time.perf_counter(), _cpu_seconds()
             info = checkpointd.restore(str(folder / "svc"), {"model": restored}, service=socket)
             table.add("restore.memory", time.perf_counter() - started)
+            table.add("restore.memory.cpu", _cpu_seconds() - cpu)
             assert info.source == "memory", info.source
             drop_cache(folder / "inproc")
             started = time.perf_counter()
@@ -254,6 +279,8 @@ def report(results: dict[str, Any]) -> list[str]:
         "service.durable",
         "restore.memory",
         "restore.disk_cold",
+        "memcpy.cpu",
+        "restore.memory.cpu",
         "train.idle",
         "train.inproc",
         "train.service",
