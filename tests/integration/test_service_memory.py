@@ -239,23 +239,31 @@ def _damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> No
             memory.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_a_damaged_memory_copy_is_overwritten_from_storage(tmp_path: Path) -> None:
+def test_a_damaged_memory_copy_is_never_served(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     torch.manual_seed(0)
-    model = torch.nn.Linear(512, 512)
+    model = torch.nn.Linear(1536, 1536)  # 9 MiB: copied from memory on two cores
     with running_service() as service:
         with checkpointd.CheckpointWriter(root, service=service.socket) as writer:
             writer.save(1, {"model": model}).result(30)
-        _damage_held_copy(service.proc.pid, service.socket, root, 1)
-        fresh = torch.nn.Linear(512, 512)
+        fresh = torch.nn.Linear(1536, 1536)
         info = checkpointd.restore(root, {"model": fresh}, service=service.socket)
-        assert (info.source, info.step) == ("storage", 1)  # landed from memory, failed, redone
+        assert (info.source, info.step) == ("memory", 1)
         assert torch.equal(fresh.weight, model.weight)
         assert torch.equal(fresh.bias, model.bias)
-        # storage damaged as well: an error that says the tensors may be part restored
+        _damage_held_copy(service.proc.pid, service.socket, root, 1)
+        fresh = torch.nn.Linear(1536, 1536)
+        info = checkpointd.restore(root, {"model": fresh}, service=service.socket)
+        assert (info.source, info.step) == ("storage", 1)
+        assert torch.equal(fresh.weight, model.weight)
+        # storage damaged as well: an error, and the target is left as it was
         (tensors,) = (Path(root) / f"{1:012d}").glob("model*.safetensors")
         data = bytearray(tensors.read_bytes())
         data[len(data) // 2] ^= 0xFF
         tensors.write_bytes(bytes(data))
-        with pytest.raises(checkpointd.CorruptCheckpointError, match="may hold a mix"):
-            checkpointd.restore(root, {"model": torch.nn.Linear(512, 512)}, service=service.socket)
+        target = torch.nn.Linear(1536, 1536)
+        before = {name: t.clone() for name, t in target.state_dict().items()}
+        with pytest.raises(checkpointd.CorruptCheckpointError):
+            checkpointd.restore(root, {"model": target}, service=service.socket)
+        for name, tensor in target.state_dict().items():
+            assert torch.equal(tensor, before[name])

@@ -12,7 +12,7 @@ import torch
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.format.checksum import crc32c_combine, crc32c_copy
+from checkpointd.format.checksum import crc32c_combine
 from checkpointd.read.hostmem import prefault
 
 
@@ -36,20 +36,6 @@ def test_combine_with_a_second_part_of_2_to_the_29_bytes_or_more(power: int) -> 
     assert halves == crc32c_combine(
         start, crc32c_combine(0, zeros, 1 << 20), (1 << power) + (1 << 20)
     )
-
-
-@pytest.mark.parametrize("sizes", [[], [0, 7, 1 << 20], [9 << 20, 3 << 20, 5, 1 << 20]])
-def test_crc32c_copy_checksums_every_piece_and_copies_those_with_a_destination(
-    sizes: list[int],
-) -> None:
-    # The larger case runs on two cores, its halves cut inside the 9 MiB piece (copied).
-    sources = [memoryview(os.urandom(size)) for size in sizes]
-    dests = [None if i % 2 else memoryview(bytearray(len(s))) for i, s in enumerate(sources)]
-    digest = crc32c_copy(list(zip(sources, dests, strict=True)))
-    assert digest == reference.crc32c(b"".join(sources))
-    for source, dest in zip(sources, dests, strict=True):
-        if dest is not None:
-            assert dest == source
 
 
 def test_prefault_keeps_the_contents() -> None:

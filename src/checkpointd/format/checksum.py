@@ -6,17 +6,8 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
-import numpy as np
 
-__all__ = [
-    "BytesLike",
-    "CopyPiece",
-    "crc32c",
-    "crc32c_combine",
-    "crc32c_copy",
-    "crc32c_each",
-    "crc32c_stream",
-]
+__all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_each", "crc32c_stream"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -182,52 +173,4 @@ def _in_memory(spans: Sequence[Span], after: Callable[[int, memoryview], None] |
     if after is not None:
         for i, view in enumerate(views):
             after(i, view)
-    return digest
-
-
-CopyPiece = tuple[memoryview, memoryview | None]
-"""Bytes in memory, in order, and where to copy them (None: checksummed only)."""
-
-_BLOCK = 1 << 20
-"""Bytes checksummed then copied at a time by ``crc32c_copy``: small enough to stay in a
-core's cache between the two."""
-
-_ONE_CORE = 8 << 20
-"""Below this many bytes ``crc32c_copy`` stays on the caller's thread."""
-
-
-def crc32c_copy(pieces: Sequence[CopyPiece]) -> int:
-    """The CRC32C of the pieces' bytes in order, copying each piece into its destination
-    (of the same length) on the way, block by block: each block is read from memory once,
-    checksummed, then copied while it is still in cache. On two cores (the first half of
-    the bytes on a helper thread, both release the GIL). Blocking; the destinations are
-    written whatever the result, so the caller decides what a mismatch means."""
-    total = sum(len(source) for source, _ in pieces)
-    if total < _ONE_CORE:
-        return _copy_chain(pieces)
-    half = total // 2
-    first: list[CopyPiece] = []
-    second: list[CopyPiece] = []
-    at = 0
-    for source, dest in pieces:
-        cut = min(max(half - at, 0), len(source))
-        first.append((source[:cut], None if dest is None else dest[:cut]))
-        second.append((source[cut:], None if dest is None else dest[cut:]))
-        at += len(source)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        head = pool.submit(_copy_chain, first)
-        tail = _copy_chain(second)
-        return crc32c_combine(head.result(), tail, total - half)
-
-
-def _copy_chain(pieces: Sequence[CopyPiece]) -> int:
-    digest = 0
-    for source, dest in pieces:
-        for at in range(0, len(source), _BLOCK):
-            block = source[at : at + _BLOCK]
-            digest = crc32c(block, digest)
-            if dest is not None:
-                np.copyto(
-                    np.frombuffer(dest[at : at + _BLOCK], np.uint8), np.frombuffer(block, np.uint8)
-                )
     return digest

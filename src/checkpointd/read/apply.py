@@ -157,11 +157,9 @@ def prepare(
     )
 
 
-def apply_prepared(prepared: Prepared, landed: list[str] | None = None) -> None:
+def apply_prepared(prepared: Prepared) -> None:
     """Fit checks, then load every target (rolled back if one refuses), then land the
-    direct tensors' bytes (inplace.py explains why this order is all or nothing).
-    ``landed`` gets the names of the components landing began on, in order: after a
-    CorruptCheckpointError, those whose tensors may hold a mix."""
+    direct tensors' bytes (inplace.py explains why this order is all or nothing)."""
     targets, names, planned = prepared.targets, prepared.names, prepared.planned
     for name in names:
         check_fits(name, targets[name], planned[name].tree, targets)
@@ -192,7 +190,7 @@ def apply_prepared(prepared: Prepared, landed: list[str] | None = None) -> None:
             f"target(s) {lost} did not keep their own tensors when loading; nothing was "
             "changed (please report this as a checkpointd bug)"
         )
-    landed = [] if landed is None else landed
+    landed: list[str] = []
     try:
         with Bounce() as staging:  # one bounce buffer for every device tensor landed
             for name in names:

@@ -38,17 +38,6 @@ of extra memory for the direct tensors:
    reads could make this step fail; that is reported as CorruptCheckpointError naming
    the components whose tensors may be part restored, after the rest is rolled back.
 
-**The memory tier** (``storage.MappedFile``: a held segment, never written while lent)
-is read once: step 1 copies only headers and non-direct tensors out, and step 3
-checksums each file block by block while copying its direct tensors' blocks into the
-live tensors (one pass over memory instead of two). So a copy that disagrees with the
-manifest is found only after some bytes landed; restore (restore.py) then restores the
-same targets from storage, which checks every file before any target changes and
-overwrites every tensor the memory copy touched. Only if storage's copy is damaged or
-gone as well does restore raise CorruptCheckpointError naming the components whose
-tensors may hold a mix: two independent failures of one committed step, where the
-disk path's step 3 needs one write into a committed file.
-
 Blocking; the caller's thread (it starts one helper thread per file while streaming).
 """
 
@@ -295,8 +284,7 @@ def _plan(  # noqa: PLR0917 - the one caller passes what it already has
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
-                known = reader.files[file]
-                landing = Landing(file, start, ordered, mine, known.crc32c, known.size)
+                landing = Landing(file, start, ordered, mine, reader.files[file].crc32c)
                 landing.pinned, landing.source = opened.pop(file)
                 landings.append(landing)
                 preloaded[file] = {**check_pass(reader, landing), **mine}

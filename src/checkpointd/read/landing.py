@@ -3,26 +3,25 @@ tensors (inplace.py says why the order is all or nothing): the check pass stream
 file through two reused chunk buffers, checks its CRC32C and copies its other tensors
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
 the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
-open: the service's memory tier) is read once: the check pass only copies its header and
-other tensors out, and the landing pass checksums the whole file block by block, copying
-each direct tensor's blocks into the live tensor while they are in cache; a mismatch
-there is a CorruptCheckpointError after the copy (restore.py then lands storage's copy
-of the step: inplace.py says why that stays all or nothing). Direct tensors on a device
-land through a ``bounce.Bounce`` (read a block at a time into pinned staging, checked,
-copied). Blocking; the restoring thread (plus one helper thread per file while
-streaming or landing)."""
+open: the service's memory tier) is checked where it lies and landed with one copy,
+without the second check, both on two cores. Direct tensors on a device land through a
+``bounce.Bounce`` (read a block at a time into pinned staging, checked, copied).
+Blocking; the restoring thread (plus one helper thread per file while streaming or
+copying)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
-from checkpointd.format.checksum import CopyPiece, crc32c_copy, crc32c_stream
+from checkpointd.format.checksum import crc32c_stream
 from checkpointd.format.header import TensorEntry
 from checkpointd.read.bounce import Bounce, Piece, needs_bounce
 from checkpointd.read.reader import StepReader
@@ -43,8 +42,6 @@ class Landing:
     entries: list[TensorEntry]
     direct: dict[str, torch.Tensor]
     crc32c: int
-    size: int
-    """The file's size, as the manifest says (already checked against the store's)."""
     header: bytes = b""
     kept: list[memoryview] = field(default_factory=list)
     """Byte views of the tensors that do not land directly, in file order."""
@@ -103,7 +100,7 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
     spans: list[tuple[memoryview, int | None]]
-    if isinstance(pinned, MappedFile):  # in memory: checked as it lands (land_file)
+    if isinstance(pinned, MappedFile):  # in memory already: checked where it lies
         spans = [(piece, None) for piece in pinned.views(0, size)]
     else:
         buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
@@ -130,11 +127,7 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
                     out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
             j += 1
 
-    if isinstance(pinned, MappedFile):
-        for i, (view, _) in enumerate(spans):
-            extract(i, view)
-    else:
-        reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
     landing.header = bytes(header)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
@@ -164,8 +157,15 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
         with Bounce() as own:  # allocates nothing unless used
             _check_landed(where, landing, _bounce(landing, pinned, staging or own))
         return
-    if isinstance(pinned, MappedFile):
-        _land_mapped(where, landing, pinned)
+    if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
+        pairs: list[tuple[memoryview, memoryview]] = []
+        for e in landing.entries:
+            if (live := landing.direct.get(e.name)) is not None:
+                dest, at = bytes_of(live), 0
+                for view in pinned.views(landing.start + e.begin, len(dest)):
+                    pairs.append((view, dest[at : at + len(view)]))
+                    at += len(view)
+        _copy_on_two_cores(pairs)
         return
     spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
     kept = iter(landing.kept)
@@ -203,31 +203,31 @@ def _check_landed(where: str, landing: Landing, digest: int) -> None:
         )
 
 
-def _land_mapped(where: str, landing: Landing, mapped: MappedFile) -> None:
-    """Land a file in memory in one pass: every byte checksummed in order, the direct
-    tensors' bytes copied into the live tensors block by block on the way (two cores);
-    CorruptCheckpointError after the copy if the CRC32C is not the manifest's."""
-    dests = sorted(
-        (
-            (landing.start + e.begin, bytes_of(live))
-            for e in landing.entries
-            if (live := landing.direct.get(e.name)) is not None
-        ),
-        key=lambda item: item[0],
-    )
-    pieces: list[CopyPiece] = []
-    at = 0
-    for begin, dest in dests:
-        pieces.extend((view, None) for view in mapped.views(at, begin - at))
-        offset = 0
-        for view in mapped.views(begin, len(dest)):
-            pieces.append((view, dest[offset : offset + len(view)]))
-            offset += len(view)
-        at = begin + len(dest)
-    pieces.extend((view, None) for view in mapped.views(at, landing.size - at))
-    digest = crc32c_copy(pieces)
-    if digest != landing.crc32c:
-        raise CorruptCheckpointError(
-            f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes in memory does not "
-            f"match the manifest's {landing.crc32c:08x}"
-        )
+_ONE_CORE = 8 << 20
+"""Below this many bytes ``_copy_on_two_cores`` copies on the caller's thread alone."""
+
+
+def _copy_on_two_cores(pairs: list[tuple[memoryview, memoryview]]) -> None:
+    """Copy each (source, destination) pair of equal lengths: the first half of the bytes
+    on a helper thread, the second on the caller's (numpy's copy releases the GIL)."""
+
+    def copy(part: list[tuple[memoryview, memoryview]]) -> None:
+        for source, dest in part:
+            np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
+
+    total = sum(len(source) for source, _ in pairs)
+    if total < _ONE_CORE:
+        copy(pairs)
+        return
+    first: list[tuple[memoryview, memoryview]] = []
+    second: list[tuple[memoryview, memoryview]] = []
+    at, half = 0, total // 2
+    for source, dest in pairs:
+        cut = min(max(half - at, 0), len(source))
+        first.append((source[:cut], dest[:cut]))
+        second.append((source[cut:], dest[cut:]))
+        at += len(source)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        head = pool.submit(copy, first)
+        copy(second)
+        head.result()

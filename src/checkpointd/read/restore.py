@@ -262,10 +262,7 @@ def restore(
     service holds the step to restore (the newest committed one on storage, or
     ``step``) in memory, committed with the very manifest storage has, it is read
     from there, with every check made on storage (``info.source == "memory"``);
-    otherwise (no service, not held, a mismatch) from storage. Tensors that land
-    in place from memory are checked as they land (inplace.py): if that check
-    fails, storage's copy is restored over them; should that fail too,
-    CorruptCheckpointError says which components' tensors may hold a mix.
+    otherwise (no service, not held, a mismatch) from storage.
 
     ``process_group`` says which rank's per-rank components (``PerRank``, ``RNGState``)
     this process gets: None the default group's (this process alone without
@@ -274,8 +271,6 @@ def restore(
     restore itself makes no collective call.
     """
     place = place_in(process_group)
-    landed: list[str] = []  # components the memory copy began landing in
-    failed: tuple[int, CheckpointError] | None = None
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
@@ -284,23 +279,11 @@ def restore(
                 memory, found = held
                 try:
                     return restore_from(
-                        memory, targets, found, strict, source="memory", place=place, landed=landed
+                        memory, targets, found, strict, source="memory", place=place
                     )
-                except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                    # A damaged or partial copy: storage decides. If it failed its check as
-                    # it landed, storage's copy of that step lands over it.
-                    failed = (found, exc) if landed else None
-    store = open_store(str(root), storage_options)
-    if failed is None:
-        return restore_from(store, targets, step, strict, place=place)
-    try:  # the same step, so that every tensor the memory copy touched is written again
-        return restore_from(store, targets, failed[0], strict, place=place)
-    except CheckpointError as exc:
-        raise CorruptCheckpointError(
-            f"the service's memory copy failed its check while landing ({failed[1]}), "
-            f"and restoring from storage failed too ({exc}): tensors of {landed} "
-            "may hold a mix of old and restored values"
-        ) from exc
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    pass  # a damaged or partial copy: storage decides
+    return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)
 
 
 def restore_from(
@@ -311,11 +294,9 @@ def restore_from(
     *,
     source: str = "storage",
     place: tuple[int, int] = (0, 1),
-    landed: list[str] | None = None,
 ) -> RestoreInfo:
     """``restore`` from an open ``store`` (closed here); ``source`` goes in the info,
-    ``place`` is this process's (rank, world size) in the group that restores,
-    ``landed`` as ``apply_prepared``'s."""
+    ``place`` is this process's (rank, world size) in the group that restores."""
     try:
 
         def attempt(found: int, manifest: Manifest) -> Prepared:
@@ -325,7 +306,7 @@ def restore_from(
     finally:
         store.close()
     try:
-        apply_prepared(prepared, landed)
+        apply_prepared(prepared)
     finally:
         inplace.release(list(prepared.planned.values()))
     names = prepared.names
