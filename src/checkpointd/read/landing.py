@@ -4,19 +4,16 @@ file through two reused chunk buffers, checks its CRC32C and copies its other te
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
 the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
 open: the service's memory tier) is checked where it lies and landed with one copy,
-without the second check, both on two cores. Direct tensors on a device land through a
-``bounce.Bounce`` (read a block at a time into pinned staging, checked, copied).
-Blocking; the restoring thread (plus one helper thread per file while streaming or
-copying)."""
+without the second check. Direct tensors on a device land through a ``bounce.Bounce``
+(read a block at a time into pinned staging, checked, copied). Blocking; the restoring thread (plus one helper
+thread per file while streaming)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from checkpointd import tunables
@@ -158,14 +155,9 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
             _check_landed(where, landing, _bounce(landing, pinned, staging or own))
         return
     if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
-        pairs: list[tuple[memoryview, memoryview]] = []
         for e in landing.entries:
             if (live := landing.direct.get(e.name)) is not None:
-                dest, at = bytes_of(live), 0
-                for view in pinned.views(landing.start + e.begin, len(dest)):
-                    pairs.append((view, dest[at : at + len(view)]))
-                    at += len(view)
-        _copy_on_two_cores(pairs)
+                pinned.read_into(bytes_of(live), landing.start + e.begin)
         return
     spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
     kept = iter(landing.kept)
@@ -201,33 +193,3 @@ def _check_landed(where: str, landing: Landing, digest: int) -> None:
             f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
             "file changed while it was being restored)"
         )
-
-
-_ONE_CORE = 8 << 20
-"""Below this many bytes ``_copy_on_two_cores`` copies on the caller's thread alone."""
-
-
-def _copy_on_two_cores(pairs: list[tuple[memoryview, memoryview]]) -> None:
-    """Copy each (source, destination) pair of equal lengths: the first half of the bytes
-    on a helper thread, the second on the caller's (numpy's copy releases the GIL)."""
-
-    def copy(part: list[tuple[memoryview, memoryview]]) -> None:
-        for source, dest in part:
-            np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
-
-    total = sum(len(source) for source, _ in pairs)
-    if total < _ONE_CORE:
-        copy(pairs)
-        return
-    first: list[tuple[memoryview, memoryview]] = []
-    second: list[tuple[memoryview, memoryview]] = []
-    at, half = 0, total // 2
-    for source, dest in pairs:
-        cut = min(max(half - at, 0), len(source))
-        first.append((source[:cut], dest[:cut]))
-        second.append((source[cut:], dest[cut:]))
-        at += len(source)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        head = pool.submit(copy, first)
-        copy(second)
-        head.result()
