@@ -62,8 +62,9 @@ S3_PART_BYTES = 16 * 2**20
 S3_PARALLEL_PARTS = 4
 """Parts of one file uploaded at once."""
 
-S3_READ_PART_BYTES = 16 * 2**20
-"""A read from S3 longer than this is split into ranged GETs of this size."""
+S3_READ_PART_BYTES = 64 * 2**20
+"""A read from S3 longer than this is split into ranged GETs of this size (s3fs's own
+reads go as 50 MiB ranges; moto reads a whole object for every ranged GET, README)."""
 
 S3_READ_PARALLEL = 8
 """Ranged GETs one S3 store has in flight at once (all its reading threads together)."""
