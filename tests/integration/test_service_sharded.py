@@ -188,3 +188,11 @@ def test_fsdp2_trainers_killed_after_save_returned_still_commit(
         loaded = checkpointd.load(str(root), step)
         same(expected["model"], loaded.state["model"])
         same(expected["optimizer"], loaded.state["optimizer"]["state"])
+
+
+def test_tensor_parallel_through_the_service_restores_bit_exact(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with _services() as services:
+        sockets = ",".join(s.socket for s in services)
+        saved = job("save", "tp", root, tmp_path / "save", WORLD, CHECKPOINTD_TEST_SERVICES=sockets)
+    check_restored(saved, job("restore", "tp", root, tmp_path / "restore", WORLD))
