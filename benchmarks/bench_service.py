@@ -10,9 +10,9 @@ Same state, interleaved repetitions, medians and ratios:
   --io-priority none``), with the time until durable of each;
 - kill -9 of a trainer at random moments after ``save()`` returned: how many of those
   checkpoints committed, each checked bit-exact;
-- a 2-rank gloo FSDP2 job (service_rank_worker.py, one service per rank): ``save()``
-  blocked and time until durable, in-process vs through the service, each the slowest
-  rank's.
+- a 2-rank gloo FSDP2 job (service_rank_worker.py, a service per rank at the default
+  priority and one at the trainer's): ``save()`` blocked and time until durable,
+  in-process vs through the service, each the slowest rank's.
 
 ``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 10]
 [--fsdp2-mb 64]`` (the default state is bench_save's 604 MB model; the FSDP2 job's
@@ -287,8 +287,13 @@ def run(
         if fsdp2_mb <= 0
         else {
             "state_bytes": fsdp2_bytes,
-            "blocked service/inproc": table.ratio("fsdp2.service.blocked", "fsdp2.inproc.blocked"),
-            "durable service/inproc": table.ratio("fsdp2.service.durable", "fsdp2.inproc.durable"),
+            **{
+                f"{measure} {kind}/inproc": table.ratio(
+                    f"fsdp2.{kind}.{measure}", f"fsdp2.inproc.{measure}"
+                )
+                for measure in ("blocked", "durable")
+                for kind in ("service", "service_nice0")
+            },
         },
         "table": table,
     }
@@ -321,12 +326,13 @@ def report(results: dict[str, Any]) -> list[str]:
     if results["fsdp2"]:
         fsdp2 = results["fsdp2"]
         lines.append(f"  2-rank FSDP2 job, state {fsdp2['state_bytes'] / 1e6:.0f} MB:")
-        for name in ("inproc", "service"):
+        for name in ("inproc", "service", "service_nice0"):
             for kind in ("firstblocked", "blocked", "firstdurable", "durable"):
                 series = f"fsdp2.{name}.{kind}"
-                lines.append(f"    {series:<26} {fmt_seconds(table[series])}")
-        for name in ("blocked service/inproc", "durable service/inproc"):
-            lines.append(f"    fsdp2 {name:<38} {fsdp2[name]:.2f}x")
+                lines.append(f"    {series:<32} {fmt_seconds(table[series])}")
+        for name, value in fsdp2.items():
+            if name != "state_bytes":
+                lines.append(f"    fsdp2 {name:<38} {value:.2f}x")
     kill = results["kill9"]
     lines.append(
         f"  kill -9 after save() returned: {kill['committed_bit_exact']} of {kill['returned']} "

@@ -4,12 +4,13 @@ rank with a service of its own; ``main`` is one rank (run by it, not by hand).
     python -m benchmarks.service_rank_worker SOCKETS MB REPS FOLDER OUT RANK WORLD PORT
 
 Builds rank_worker's FSDP2 MLP (about MB megabytes of float32 parameters, AdamW state
-after one step), then saves it WARMUP + REPS times with each of two writers of the
-job's default group, alternating which goes first: in-process (FOLDER/inproc) and
-through the checkpoint service at this rank's socket of SOCKETS (comma-separated;
-FOLDER/svc). Each save's ``save()`` blocked and time until durable (its handle's
-``blocked_seconds``/``durable_seconds``), with a barrier before each save. Writes
-OUT/rankR.json: ``{"inproc": [[blocked, durable], ...], "service": [...]}``.
+after one step), then saves it WARMUP + REPS times with each writer of the job's
+default group, the order rotating from one repetition to the next: in-process
+(FOLDER/inproc), and one per service kind of SOCKETS (``KIND=S0,S1;KIND=S0,S1``: this
+rank uses the RANK-th socket; FOLDER/KIND). Each save's ``save()`` blocked and time
+until durable (its handle's ``blocked_seconds``/``durable_seconds``), with a barrier
+before each save. Writes OUT/rankR.json: ``{"inproc": [[blocked, durable], ...],
+KIND: [...]}``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ WARMUP = 2
 WORLD = 2
 REPO = Path(__file__).resolve().parents[1]
 
+SERVICES = {"service": (), "service_nice0": ("--niceness", "0", "--io-priority", "none")}
+"""The services each rank saves through: at their default priority (niceness 10, I/O
+best effort 7), and at the trainer's."""
+
 
 def fsdp2_rows(
     folder: Path,
@@ -43,20 +48,27 @@ def fsdp2_rows(
     reps: int,
     table: Table,
     *,
-    start_service: Callable[[str], subprocess.Popen[bytes]],
+    start_service: Callable[..., subprocess.Popen[bytes]],
     env: dict[str, str],
 ) -> int:
-    """The FSDP2 job on 2 ranks, each with a service of its own (``start_service(folder)``
-    starts one at FOLDER/sock): ``fsdp2.<inproc|service>.[first]blocked``/``durable``,
-    each save the slowest rank's. Returns the job's state size in bytes (parameters and
-    AdamW's two moments, float32)."""
-    folders = [tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp") for _ in range(WORLD)]
+    """The FSDP2 job on 2 ranks, each rank with a service of each ``SERVICES`` kind of
+    its own (``start_service(folder, *args)`` starts one at FOLDER/sock):
+    ``fsdp2.<inproc|kind>.[first]blocked``/``durable``, each save the slowest rank's.
+    Returns the job's state size in bytes (parameters and AdamW's moments, float32)."""
+    folders = {
+        kind: [tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp") for _ in range(WORLD)]
+        for kind in SERVICES
+    }
     out = folder / "fsdp2-out"
     out.mkdir()
     services: list[subprocess.Popen[bytes]] = []
     try:
-        services += [start_service(f) for f in folders]
-        sockets = ",".join(os.path.join(f, "sock") for f in folders)
+        for kind, args in SERVICES.items():
+            services += [start_service(f, *args) for f in folders[kind]]
+        sockets = ";".join(
+            f"{kind}=" + ",".join(os.path.join(f, "sock") for f in kind_folders)
+            for kind, kind_folders in folders.items()
+        )
         port = str(_free_port())
         args = [sockets, str(mb), str(reps), str(folder / "fsdp2"), str(out)]
         procs = [
@@ -83,10 +95,11 @@ def fsdp2_rows(
         for proc in services:
             proc.terminate()
             proc.wait(60)
-        for f in folders:
-            shutil.rmtree(f, ignore_errors=True)
+        for kind_folders in folders.values():
+            for f in kind_folders:
+                shutil.rmtree(f, ignore_errors=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for name in ("inproc", "service"):
+    for name in ("inproc", *SERVICES):
         for rep, per_rank in enumerate(zip(*(r[name] for r in ranks), strict=True)):
             kind = "first" if rep < WARMUP else ""
             table.add(f"fsdp2.{name}.{kind}blocked", max(b for b, _ in per_rank))
@@ -109,20 +122,26 @@ def main() -> None:
     )
     model, optimizer = build(world, float(mb))
     state = {"model": model, "optimizer": optimizer}
-    times: dict[str, list[list[float]]] = {"inproc": [], "service": []}
-    local = checkpointd.CheckpointWriter(os.path.join(folder, "inproc"), keep_last=1)
-    remote = checkpointd.CheckpointWriter(
-        os.path.join(folder, "svc"), keep_last=1, service=sockets.split(",")[rank]
-    )
-    with local, remote:
-        order = [("inproc", local), ("service", remote)]
+    writers = {"inproc": checkpointd.CheckpointWriter(os.path.join(folder, "inproc"), keep_last=1)}
+    for entry in sockets.split(";"):
+        kind, paths = entry.split("=")
+        writers[kind] = checkpointd.CheckpointWriter(
+            os.path.join(folder, kind), keep_last=1, service=paths.split(",")[rank]
+        )
+    times: dict[str, list[list[float]]] = {name: [] for name in writers}
+    try:
+        order = list(writers.items())
         for rep in range(WARMUP + reps):
-            for name, writer in order if rep % 2 == 0 else order[::-1]:
+            shift = rep % len(order)
+            for name, writer in order[shift:] + order[:shift]:
                 dist.barrier()
                 handle = writer.save(rep, state)
                 handle.result(600)
                 assert handle.durable_seconds is not None
                 times[name].append([handle.blocked_seconds, handle.durable_seconds])
+    finally:
+        for writer in writers.values():
+            writer.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
     dist.destroy_process_group()

@@ -117,7 +117,7 @@ def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "checkpointd / torch" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(150)  # with a 2-rank FSDP2 job and two more services
+@pytest.mark.timeout(180)  # with a 2-rank FSDP2 job and four more services
 def test_service_benchmark_smoke(tmp_path: Path) -> None:
     from benchmarks import bench_service
 
