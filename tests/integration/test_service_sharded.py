@@ -3,6 +3,7 @@
 ``checkpointd serve``. The files must be byte-identical to an in-process save's,
 restore (in-process, on 2 ranks and resharded on 3) must give the state back bit for
 bit, and a save whose ``save()`` returned must commit after kill -9 of both trainers.
+Also a tensor-parallel job, and FSDP2 to S3 (moto) through the services.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from checkpointd import tunables
 from checkpointd.daemon.client import status
 from tests.integration.test_sharded import check_restored, job, same
 from tests.support.launch import REPO, free_port
+from tests.support.s3 import MotoS3
 from tests.support.service import Service, child_env, socket_folder, start_service
 
 WORLD = 2
@@ -196,3 +198,20 @@ def test_tensor_parallel_through_the_service_restores_bit_exact(tmp_path: Path) 
         sockets = ",".join(s.socket for s in services)
         saved = job("save", "tp", root, tmp_path / "save", WORLD, CHECKPOINTD_TEST_SERVICES=sockets)
     check_restored(saved, job("restore", "tp", root, tmp_path / "restore", WORLD))
+
+
+def test_fsdp2_through_the_service_to_s3_restores_resharded(
+    moto_s3: MotoS3, tmp_path: Path
+) -> None:
+    bucket = f"svc-sharded-{tmp_path.name[-16:].lower().replace('_', '-')}"
+    moto_s3.create_bucket(bucket)
+    root = f"s3://{bucket}/run"
+    options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
+    with _services() as services:
+        sockets = ",".join(s.socket for s in services)
+        saved = job(
+            "save", "fsdp2", root, tmp_path / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, **options,
+        )  # fmt: skip
+        assert [status(s.socket).committed for s in services] == [1, 1]
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 3, **options))
