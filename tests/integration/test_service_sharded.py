@@ -3,7 +3,8 @@
 ``checkpointd serve``. The files must be byte-identical to an in-process save's,
 restore (in-process, on 2 ranks and resharded on 3) must give the state back bit for
 bit, and a save whose ``save()`` returned must commit after kill -9 of both trainers.
-Also a tensor-parallel job, and FSDP2 to S3 (moto) through the services.
+Also tensor-parallel and HSDP (4 ranks: replicas write alternate shards) jobs, and
+FSDP2 to S3 (moto) through the services.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch.distributed as dist
 import checkpointd
 from checkpointd import tunables
 from checkpointd.daemon.client import status
+from checkpointd.read import catalog
+from checkpointd.storage import open_store
 from tests.integration.test_sharded import check_restored, job, same
 from tests.support.launch import REPO, free_port
 from tests.support.s3 import MotoS3
@@ -38,9 +41,9 @@ WORLD = 2
 
 
 @contextmanager
-def _services(gate: str | None = None) -> Iterator[list[Service]]:
-    """One real service per rank (two "nodes"), each in a socket folder of its own."""
-    folders = [socket_folder() for _ in range(WORLD)]
+def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
+    """One real service per rank (a "node" each), each in a socket folder of its own."""
+    folders = [socket_folder() for _ in range(world)]
     running: list[Service] = []
     try:
         for folder in folders:
@@ -192,12 +195,21 @@ def test_fsdp2_trainers_killed_after_save_returned_still_commit(
         same(expected["optimizer"], loaded.state["optimizer"]["state"])
 
 
-def test_tensor_parallel_through_the_service_restores_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "world"), [("tp", 2), ("hsdp", 4)])
+def test_tensor_parallel_and_hsdp_through_the_service_restore_bit_exact(
+    mode: str, world: int, tmp_path: Path
+) -> None:
     root = str(tmp_path / "root")
-    with _services() as services:
+    with _services(world=world) as services:
         sockets = ",".join(s.socket for s in services)
-        saved = job("save", "tp", root, tmp_path / "save", WORLD, CHECKPOINTD_TEST_SERVICES=sockets)
-    check_restored(saved, job("restore", "tp", root, tmp_path / "restore", WORLD))
+        saved = job("save", mode, root, tmp_path / "save", world, CHECKPOINTD_TEST_SERVICES=sockets)
+    if mode == "hsdp":
+        manifest = catalog.read_manifest(open_store(root), 1)
+        for component in ("model", "optimizer"):
+            for name, tensor in manifest.components[component].sharded.items():
+                assert len(tensor.shards) == 2, name  # Shard(0) over 2, replicated twice
+        assert {f.rank for f in manifest.files if ".rank" in f.path} == {0, 1, 2, 3}
+    check_restored(saved, job("restore", mode, root, tmp_path / "restore", world))
 
 
 def test_fsdp2_through_the_service_to_s3_restores_resharded(
