@@ -39,6 +39,10 @@ from tests.support.service import Service, child_env, socket_folder, start_servi
 
 WORLD = 2
 
+# Each test runs one or two jobs of 2 to 4 rank processes beside as many services:
+# up to 100 s measured on 2 shared cores at load average 10, near the default 120 s.
+pytestmark = pytest.mark.timeout(300)
+
 
 @contextmanager
 def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
