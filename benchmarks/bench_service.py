@@ -11,10 +11,15 @@ Same state, interleaved repetitions, medians and ratios:
   default priority (niceness 10, I/O best effort 7) and at the trainer's (``--niceness 0
   --io-priority none``), with the time until durable of each;
 - kill -9 of a trainer at random moments after ``save()`` returned (kill_trainers.py):
-  how many of those checkpoints committed, each checked bit-exact.
+  how many of those checkpoints committed, each checked bit-exact;
+- a 2-rank gloo FSDP2 job (service_rank_worker.py, a service per rank at the default
+  priority and one at the trainer's): ``save()`` blocked and time until durable,
+  in-process vs through the service, each the slowest rank's.
 
-``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 50]``
-(the default state is bench_save's 604 MB model); ``--smoke`` runs a tiny version.
+``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 50]
+[--fsdp2-mb 64] [--no-training]`` (the default state is bench_save's 604 MB model; the
+FSDP2 job's parameters are MB megabytes, its state with AdamW three times that; 0 skips
+it); ``--smoke`` runs a tiny version.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from benchmarks.common import (
     work_dir,
 )
 from benchmarks.kill_trainers import kill_trials
+from benchmarks.service_rank_worker import fsdp2_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,8 +209,15 @@ def _kill_rows(folder: Path, nbytes: int, kills: int) -> dict[str, Any]:
         shutil.rmtree(sockets, ignore_errors=True)
 
 
-def run(  # noqa: PLR0917 - main's arguments, passed on
-    layers: int, width: int, reps: int, kills: int, folder: Path, training: bool = True
+def run(
+    layers: int,
+    width: int,
+    reps: int,
+    kills: int,
+    folder: Path,
+    *,
+    fsdp2_mb: float = 0,
+    training: bool = True,
 ) -> dict[str, Any]:
     model = transformer(layers, width)
     state = {"model": model}
@@ -249,6 +262,11 @@ def run(  # noqa: PLR0917 - main's arguments, passed on
         if training:
             _training_rows(folder, socket, model, reps, table)
         kill9 = _kill_rows(folder, nbytes, kills)
+        fsdp2_bytes = 0
+        if fsdp2_mb > 0:
+            fsdp2_bytes = fsdp2_rows(
+                folder, fsdp2_mb, reps, table, start_service=_start_service, env=_env()
+            )
     finally:
         service.terminate()
         service.wait(60)
@@ -262,6 +280,18 @@ def run(  # noqa: PLR0917 - main's arguments, passed on
             if numerator in table.series and denominator in table.series
         },
         "kill9": kill9,
+        "fsdp2": {}
+        if fsdp2_mb <= 0
+        else {
+            "state_bytes": fsdp2_bytes,
+            **{
+                f"{measure} {kind}/inproc": table.ratio(
+                    f"fsdp2.{kind}.{measure}", f"fsdp2.inproc.{measure}"
+                )
+                for measure in ("blocked", "durable")
+                for kind in ("service", "service_nice0")
+            },
+        },
         "table": table,
     }
 
@@ -293,6 +323,16 @@ def report(results: dict[str, Any]) -> list[str]:
             lines.append(f"  {name:<28} {fmt_seconds(table[name])}")
     for name, value in results["ratios"].items():
         lines.append(f"  {name:<44} {value:.2f}x")
+    if results["fsdp2"]:
+        fsdp2 = results["fsdp2"]
+        lines.append(f"  2-rank FSDP2 job, state {fsdp2['state_bytes'] / 1e6:.0f} MB:")
+        for name in ("inproc", "service", "service_nice0"):
+            for kind in ("firstblocked", "blocked", "firstdurable", "durable"):
+                series = f"fsdp2.{name}.{kind}"
+                lines.append(f"    {series:<32} {fmt_seconds(table[series])}")
+        for name, value in fsdp2.items():
+            if name != "state_bytes":
+                lines.append(f"    fsdp2 {name:<38} {value:.2f}x")
     kill = results["kill9"]
     lines.append(
         f"  kill -9 after save() returned: {kill['killed']} trainers killed, "
@@ -308,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--kills", type=int, default=50, help="trainers killed -9 (default 50)")
+    parser.add_argument(
+        "--fsdp2-mb", type=float, default=64, help="FSDP2 job's parameter MB (0: skip it)"
+    )
     parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument(
@@ -316,10 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny state, 2 reps, 1 kill")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.layers, args.width, args.reps, args.kills = 1, 64, 2, 1
+        args.layers, args.width, args.reps, args.kills, args.fsdp2_mb = 1, 64, 2, 1, 1
     parent = pick_folder(args.dir, 0)
     with work_dir(parent, "service") as folder:
-        results = run(args.layers, args.width, args.reps, args.kills, folder, not args.no_training)
+        results = run(
+            args.layers,
+            args.width,
+            args.reps,
+            args.kills,
+            folder,
+            fsdp2_mb=args.fsdp2_mb,
+            training=not args.no_training,
+        )
     print("\n".join(report(results)))
     if args.json:
         shown = {k: v for k, v in results.items() if k != "table"}

@@ -15,7 +15,10 @@ on a 1-D mesh), ``hsdp`` (fully_shard on a (2, WORLD/2) mesh: Replicate, Shard),
 WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
-save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True). Reports also carry
+save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
+CHECKPOINTD_TEST_SERVICES (comma-separated socket paths: rank R saves through the
+checkpoint service at the R-th; its store is then the job's TCP store, hosted by
+rank 0's process as tcp:// init hosts it). Reports also carry
 ``shard_bytes_read``: distinct bytes this rank read from shard files.
 """
 
@@ -162,8 +165,12 @@ def main() -> None:
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
             incremental = os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1"
+            services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
             with checkpointd.CheckpointWriter(
-                root, storage_options=options, incremental=incremental
+                root,
+                storage_options=options,
+                incremental=incremental,
+                service=services.split(",")[rank] if services else None,
             ) as writer:
                 started = time.perf_counter()
                 handle = writer.save(
