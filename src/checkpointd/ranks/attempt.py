@@ -83,6 +83,7 @@ class Attempt:
     def __init__(self, group: Group, step: int, number: int) -> None:
         self.group = group
         self.step = step
+        self.number = number
         self.prefix = f"s{step}a{number}/"
         self.liveness = Liveness(group)
 

@@ -54,7 +54,15 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import Share, Summary, merged_manifest, written_shards
+from checkpointd.ranks.merge import (
+    Share,
+    Summary,
+    indexed,
+    indexed_share,
+    merged_manifest,
+    shard_index,
+    written_shards,
+)
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
 from checkpointd.write.commit import (
@@ -216,10 +224,12 @@ async def _write_share(
     attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.outcome))
     await open_step(store, plan.step, limiter)
     blobs: dict[str, BlobEntry] = {}
+    sharded = written_shards(plan.components, plan.per_rank)
+    index = shard_index(plan, group, attempt.number, sharded)
     await write_files(
         store,
         plan.step,
-        plan.mine(group.rank),
+        plan.mine(group.rank) + ([] if index is None else [index]),
         limiter,
         streamed=streamed,
         committed=committed,
@@ -227,8 +237,9 @@ async def _write_share(
         blobs=blobs,
     )
     own = {key: plan.components[key] for key in plan.per_rank}
-    sharded = written_shards(plan.components, plan.per_rank)
     share = Share(committed, own, plan.per_rank, sharded, list(blobs.values()))
+    if indexed(plan, group.world_size):  # the entries are in the index: post their checks
+        share = indexed_share(share, plan, "" if index is None else index.name)
     await anyio.to_thread.run_sync(attempt.post, "files", share)
 
 

@@ -31,6 +31,10 @@ class TensorSource(Protocol):
 
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
 
+    def sharded(
+        self, component: str, tensor: str, stored: ShardedTensor, box: Box | None = None
+    ) -> ShardedTensor: ...
+
 
 Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
 """(tensor name, its live DTensor template, the stored sharded tensor) -> the tensor to
@@ -40,7 +44,9 @@ hand the decoder instead of reading this rank's part into fresh memory, or None.
 class ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
     plain tensor files all at once on first use, sharded tensors one by one. ``take``:
-    asked first for each sharded tensor with a template (restore's DTensor path)."""
+    asked first for each sharded tensor with a template (restore's DTensor path).
+    ``component``: the component's name, under which the reader finds the shards a
+    sharded tensor keeps in shard indexes (schema 4)."""
 
     def __init__(
         self,
@@ -49,8 +55,11 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         templates: Mapping[str, Any],
         preloaded: Mapping[str, Mapping[str, torch.Tensor]],
         take: Take | None = None,
+        *,
+        component: str,
     ):
         self.reader = reader
+        self.component = component
         self.entry = entry
         self.templates = templates
         self.preloaded = preloaded
@@ -74,10 +83,13 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         return self._plain
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from checkpointd.state.shards import as_template
+        from checkpointd.state.shards import as_template, local_box
 
         sharded = self.entry.sharded.get(name)
         template = self.templates.get(name)
+        if sharded is not None:  # with its shards from the indexes, those this read needs
+            box = None if template is None else local_box(template)
+            sharded = self.reader.sharded(self.component, name, sharded, box)
         if template is None:
             if sharded is None:
                 return self.plain()[name]

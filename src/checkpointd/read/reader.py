@@ -36,6 +36,7 @@ from checkpointd.format.manifest import (
 from checkpointd.read import catalog
 from checkpointd.read.component_tensors import ComponentTensors, Take
 from checkpointd.read.hostmem import read_checked
+from checkpointd.read.indexes import ShardIndexes
 from checkpointd.storage import Store
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class StepReader:
         self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
         self._sized: set[str] = set()  # files whose size was checked
+        self.indexes = ShardIndexes(self)
 
     def _size(self, name: str) -> int:
         """The file's size after checking it against the manifest (missing: ``vanished``)."""
@@ -134,6 +136,25 @@ class StepReader:
         if self.verify:
             self.check_digest(name, crc32c(view))
         return data
+
+    def read_small(self, name: str) -> bytes:
+        """Listed file ``name`` (a small one: a shard index) as bytes, its size and CRC32C
+        checked whether or not this reader verifies."""
+        data = bytearray(self.files[name].size)
+        try:
+            self._read_sized(name, memoryview(data))
+        except StorageNotFoundError:
+            raise self.vanished(name) from None
+        self.check_digest(name, crc32c(data))
+        return bytes(data)
+
+    def sharded(
+        self, component: str, tensor: str, stored: ShardedTensor, box: Box | None = None
+    ) -> ShardedTensor:
+        """Sharded tensor ``component``/``tensor`` (the manifest's entry ``stored``) with
+        every shard (``box`` None) or those that cover ``box``, from the shard indexes
+        where the manifest has them (read/indexes.py); ``stored`` itself where not."""
+        return self.indexes.sharded(component, tensor, stored, box)
 
     def _read_sized(self, name: str, view: memoryview, offset: int = 0) -> None:
         """Fill ``view`` from ``offset`` of listed file ``name``, checking its size against
@@ -230,7 +251,9 @@ class StepReader:
         from checkpointd.format.codec import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = ComponentTensors(self, entry, templates or {}, preloaded or {}, take)
+        tensors = ComponentTensors(
+            self, entry, templates or {}, preloaded or {}, take, component=name
+        )
         if tree is None:
             tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
