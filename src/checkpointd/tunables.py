@@ -152,10 +152,12 @@ POLL_SECONDS = 0.05
 """Longest pause between two looks at the store while a rank waits for the others (the
 first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
 
-WAIT_SECONDS = 0.5
-"""Longest a rank blocks in the store's ``wait`` for a key another rank will set (the
-outcome, ``published``) before it looks at that rank's heartbeat again. Well under
-STALE_SECONDS, and short since the wait holds its store connection (the heartbeat's too)."""
+WAIT_SECONDS = 5.0
+"""Longest a rank blocks in the store's ``wait`` (on a connection of its own) for a key
+another rank will set (the outcome, ``published``) before it looks at that rank's
+heartbeat again; at most a third of STALE_SECONDS is used, so a dead publisher is still
+noticed about STALE_SECONDS after it stopped. Long, since each wait that times out costs
+the store a call and logs two c10d warnings ("likely a timeout")."""
 
 STORE_VALUE_BYTES = 4 * 2**20
 """Largest value a rank sets in the job's c10d store in one piece; larger ones (a many-rank

@@ -27,7 +27,6 @@ nothing is published. A dead rank's files are leftovers for ``gc``.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import anyio
 import anyio.to_thread
@@ -282,11 +281,9 @@ async def _follow(
     read only to stand in); RankFailedError if the attempt was abandoned or its publish
     failed."""
     publisher = [attempt.group.publisher]
-    outcome = await wait_for(attempt, attempt.outcome, publisher)
+    outcome = await wait_for(attempt, "outcome", publisher)
     attempt.raise_if_abandoned(outcome)
-    published = await wait_for(
-        attempt, functools.partial(attempt.read, "published"), publisher, give_up=False
-    )
+    published = await wait_for(attempt, "published", publisher, give_up=False)
     if published is None:  # the publisher died after the commit was decided
         posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
         assert posted is not None  # posted before committed was proposed

@@ -148,6 +148,8 @@ class Group:
         """Where the service finds this group (ranks/hosted.py ``HostedGroup``), for a
         service writer's group; else None."""
         self._attempts: dict[int, int] = {}
+        self._waiter: Any = None
+        self._waiter_lock = threading.Lock()
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, name="checkpointd-heartbeat", daemon=True
@@ -198,6 +200,25 @@ class Group:
     def closed(self, rank: int) -> bool:
         """True once ``rank`` closed its writer. Blocking."""
         return bool(self.store.check([f"closed/{rank}"]))
+
+    def wait(self, key: str, seconds: float) -> bool:
+        """Block until ``key`` is set (True) or ``seconds`` passed (False), on a connection
+        of its own to the store (made on first use: a TCPStore client runs one call at a
+        time, so the heartbeat must not queue behind a wait). Raises what the store raises
+        for anything but the timeout. Blocking."""
+        import datetime
+
+        with self._waiter_lock:
+            if self._waiter is None:
+                self._waiter = self.store.clone()
+            waiter = self._waiter
+        try:
+            waiter.wait([key], datetime.timedelta(seconds=seconds))
+        except Exception as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            return False
+        return True
 
     def close(self) -> None:
         """Stop the heartbeat and say so (other ranks then know this rank left)."""

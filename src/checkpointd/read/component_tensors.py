@@ -4,7 +4,7 @@ box at a time, placed like the restore's DTensor templates. Reading thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpointd.errors import CorruptCheckpointError
@@ -32,7 +32,12 @@ class TensorSource(Protocol):
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
 
     def sharded(
-        self, component: str, tensor: str, stored: ShardedTensor, box: Box | None = None
+        self,
+        component: str,
+        tensor: str,
+        stored: ShardedTensor,
+        box: Box | None = None,
+        near: Sequence[int] = (),
     ) -> ShardedTensor: ...
 
 
@@ -89,7 +94,8 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         template = self.templates.get(name)
         if sharded is not None:  # with its shards from the indexes, those this read needs
             box = None if template is None else local_box(template)
-            sharded = self.reader.sharded(self.component, name, sharded, box)
+            near = () if template is None else _holders(template)
+            sharded = self.reader.sharded(self.component, name, sharded, box, near)
         if template is None:
             if sharded is None:
                 return self.plain()[name]
@@ -112,3 +118,19 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
 
     def __len__(self) -> int:
         return len({**self.plain(), **self.entry.sharded})
+
+
+def _holders(template: Any) -> list[int]:
+    """The ranks of live DTensor ``template``'s mesh that hold the same box as this rank
+    (its replicas along the Replicate dimensions, itself first): where a checkpoint saved
+    on this layout keeps the shard index that describes this rank's box."""
+    mesh, placements = template.device_mesh, tuple(template.placements)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    where = tuple(
+        slice(None) if p.is_replicate() else coordinate[d] for d, p in enumerate(placements)
+    )
+    ranks = [int(r) for r in mesh.mesh[where].flatten().tolist()]
+    me = int(mesh.mesh[tuple(coordinate)])
+    return [me] + [r for r in ranks if r != me]

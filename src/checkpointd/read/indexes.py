@@ -26,7 +26,7 @@ from checkpointd.format.manifest_checks import shard_problem
 from checkpointd.format.shard_index import ShardIndex, decode_index
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["ShardIndexes"]
 
@@ -54,6 +54,7 @@ class ShardIndexes:
     def __init__(self, reader: IndexSource) -> None:
         self.reader = reader
         self.names = list(reader.manifest.shard_indexes)
+        self._by_rank = {reader.files[n].rank: n for n in self.names}
         self._loaded: dict[str, ShardIndex] = {}
         self._lock = threading.Lock()
 
@@ -63,11 +64,18 @@ class ShardIndexes:
         return len(self._loaded)
 
     def sharded(
-        self, component: str, tensor: str, stored: ShardedTensor, box: Box | None = None
+        self,
+        component: str,
+        tensor: str,
+        stored: ShardedTensor,
+        box: Box | None = None,
+        near: Sequence[int] = (),
     ) -> ShardedTensor:
         """``stored`` (the manifest's entry of ``component``/``tensor``) with the shards
         the indexes hold of it: all of them (``box`` None or the whole tensor, checked to
-        tile it), or enough to cover ``box``. CorruptCheckpointError if they do not."""
+        tile it), or enough to cover ``box``, looking first at the indexes of ranks
+        ``near`` (those that held this box when restoring onto the saving layout).
+        CorruptCheckpointError if they do not."""
         if not self.names:
             return stored
         shape = tuple(stored.shape)
@@ -81,7 +89,7 @@ class ShardIndexes:
                 )
             return whole
         shards = list(stored.shards)
-        for name in self._nearest(shape, box):
+        for name in self._nearest(shape, box, near):
             if _covers(shards, box):
                 break
             self._load([name])
@@ -92,17 +100,20 @@ class ShardIndexes:
             )
         return ShardedTensor(stored.dtype, stored.shape, shards)
 
-    def _nearest(self, shape: tuple[int, ...], box: Box) -> list[str]:
-        """The index names, those nearest where ``box`` starts along the first dimension
-        first (the ranks' indexes are in rank order, and FSDP2 and HSDP shard the first
-        dimension in rank order); the loaded ones lead, as they cost nothing."""
+    def _nearest(self, shape: tuple[int, ...], box: Box, near: Sequence[int]) -> list[str]:
+        """The index names in the order to look: the loaded ones (they cost nothing), those
+        of ranks ``near``, then those nearest where ``box`` starts along the first
+        dimension (the indexes are in rank order, and FSDP2 and HSDP shard the first
+        dimension in rank order)."""
         count = len(self.names)
         guess = min(count - 1, box[0][0] * count // shape[0]) if shape and shape[0] else 0
         order = [guess]
         for step in range(1, count):
             order += [i for i in (guess + step, guess - step) if 0 <= i < count]
         named = [self.names[i] for i in order]
-        return [n for n in named if n in self._loaded] + [n for n in named if n not in self._loaded]
+        hinted = [self._by_rank[r] for r in near if r in self._by_rank]
+        first = [n for n in named if n in self._loaded]
+        return list(dict.fromkeys(first + hinted + named))
 
     def _load(self, names: list[str]) -> None:
         """Read and check the indexes of ``names`` not loaded yet (in parallel)."""

@@ -11,7 +11,7 @@ load it. Blocking; any thread (one StepReader may serve several threads).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from checkpointd import tunables
@@ -149,12 +149,18 @@ class StepReader:
         return bytes(data)
 
     def sharded(
-        self, component: str, tensor: str, stored: ShardedTensor, box: Box | None = None
+        self,
+        component: str,
+        tensor: str,
+        stored: ShardedTensor,
+        box: Box | None = None,
+        near: Sequence[int] = (),
     ) -> ShardedTensor:
         """Sharded tensor ``component``/``tensor`` (the manifest's entry ``stored``) with
         every shard (``box`` None) or those that cover ``box``, from the shard indexes
-        where the manifest has them (read/indexes.py); ``stored`` itself where not."""
-        return self.indexes.sharded(component, tensor, stored, box)
+        where the manifest has them (read/indexes.py; the indexes of ranks ``near`` are
+        looked at first); ``stored`` itself where not."""
+        return self.indexes.sharded(component, tensor, stored, box, near)
 
     def _read_sized(self, name: str, view: memoryview, offset: int = 0) -> None:
         """Fill ``view`` from ``offset`` of listed file ``name``, checking its size against
