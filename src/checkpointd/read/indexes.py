@@ -15,6 +15,7 @@ manifest. Blocking; any thread (a lock guards the cache).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import math
 import threading
 from typing import TYPE_CHECKING, Protocol
@@ -26,7 +27,7 @@ from checkpointd.format.manifest_checks import shard_problem
 from checkpointd.format.shard_index import ShardIndex, decode_index
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
 __all__ = ["ShardIndexes"]
 
@@ -100,20 +101,28 @@ class ShardIndexes:
             )
         return ShardedTensor(stored.dtype, stored.shape, shards)
 
-    def _nearest(self, shape: tuple[int, ...], box: Box, near: Sequence[int]) -> list[str]:
-        """The index names in the order to look: the loaded ones (they cost nothing), those
-        of ranks ``near``, then those nearest where ``box`` starts along the first
-        dimension (the indexes are in rank order, and FSDP2 and HSDP shard the first
-        dimension in rank order)."""
+    def _nearest(self, shape: tuple[int, ...], box: Box, near: Sequence[int]) -> Iterator[str]:
+        """The index names in the order to look, made as they are asked for (a lookup
+        stops at the first few): the loaded ones (they cost nothing), those of ranks
+        ``near``, then those nearest where ``box`` starts along the first dimension (the
+        indexes are in rank order, and FSDP2 and HSDP shard the first dimension in rank
+        order)."""
+        with self._lock:
+            loaded = list(self._loaded)
+        hinted = (self._by_rank[r] for r in near if r in self._by_rank)
         count = len(self.names)
         guess = min(count - 1, box[0][0] * count // shape[0]) if shape and shape[0] else 0
-        order = [guess]
-        for step in range(1, count):
-            order += [i for i in (guess + step, guess - step) if 0 <= i < count]
-        named = [self.names[i] for i in order]
-        hinted = [self._by_rank[r] for r in near if r in self._by_rank]
-        first = [n for n in named if n in self._loaded]
-        return list(dict.fromkeys(first + hinted + named))
+        around = (
+            self.names[i]
+            for step in range(count)
+            for i in ((guess,) if step == 0 else (guess + step, guess - step))
+            if 0 <= i < count
+        )
+        seen: set[str] = set()
+        for name in itertools.chain(loaded, hinted, around):
+            if name not in seen:
+                seen.add(name)
+                yield name
 
     def _load(self, names: list[str]) -> None:
         """Read and check the indexes of ``names`` not loaded yet (in parallel)."""
