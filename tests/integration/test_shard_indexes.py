@@ -148,3 +148,46 @@ def test_small_jobs_keep_their_shards_inline_as_every_earlier_checkpoint(
     out = job("restore", "fsdp2", root, tmp_path / "restore", 3)
     check_restored(saved, out)
     assert json.loads((out / "rank0.json").read_text())["indexes_read"] == []
+
+
+def test_an_indexed_checkpoint_exports_like_any_other(
+    indexed_on_2: tuple[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from checkpointd.interop.export import export_component
+
+    root, saved = indexed_on_2
+    target = str(tmp_path / "model.safetensors")
+    export_component(root, "model", target)
+    same(torch.load(saved / "save.pt")["model"], load_file(target))
+
+
+def test_incremental_saves_with_indexes_reference_the_frozen_base(tmp_path: Path) -> None:
+    """A LoRA-like FSDP2 job of 2 ranks, incremental, with shard indexes: the base's
+    shards are blob shards in the indexes, referenced (not rewritten) by later saves."""
+    from tests.integration.test_incremental_ranks import _same, _tensors
+    from tests.integration.test_incremental_ranks import job as lora_job
+
+    root, out = tmp_path / "root", tmp_path / "save"
+    reports = lora_job("save", root, out, 2, **INDEXED)
+    states = torch.load(out / "states.pt")
+    base = sum(
+        t.numel() * t.element_size()
+        for name, t in _tensors(states[1]["model"]).items()
+        if name.endswith("base.weight")
+    )
+    assert reports[0]["saves"]["3"]["referenced"] == base
+    store = open_store(str(root))
+    manifest = catalog.read_manifest(store, 3)
+    assert manifest.schema_version == 4
+    assert manifest.shard_indexes
+    index = json.loads((root / step_dirname(3) / manifest.shard_indexes[0]).read_text())
+    blobs = [s for ts in index["components"].values() for ss in ts.values() for s in ss]
+    assert any(s.get("blob") for s in blobs)
+    assert verify_step(store, 3, manifest) == []
+    loaded = checkpointd.load(str(root), step=3).state
+    _same(states[3]["model"], loaded["model"])
+    restored = tmp_path / "restore"
+    lora_job("restore", root, restored, 2, CHECKPOINTD_TEST_STEP="3")
+    _same(states[3], torch.load(restored / "restored.pt"))
