@@ -10,6 +10,8 @@ to patch them (monkeypatch ``checkpointd.tunables``).
 from __future__ import annotations
 
 __all__ = [
+    "BOUNCE_BYTES",
+    "BOUNCE_CPU_TARGETS",
     "CHUNK_BYTES",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_PENDING",
@@ -86,6 +88,20 @@ FILE_READ_THREADS = 2
 """Threads that fault in, read and checksum the chunks of one large local file at once
 (``load``): faulting fresh memory in is most of the cost and it scales with cores; 4
 threads measured no faster than 2 on the 2-vCPU benchmark machine."""
+
+BOUNCE_BYTES = 16 * 2**20
+"""Host staging that bytes bound for a device (a CUDA tensor restored into, or
+``load(..., map_location="cuda")``) pass through: two reused blocks of half this
+each (pinned memory for CUDA), one read from storage while the other is copied to the
+device. The whole of a restore's or load's extra host memory for device tensors, far
+under the 64 MB bound of issue 21; blocks of 8 MiB, as READ_CHUNK_BYTES, keep the
+per-read and per-copy costs small. Not measured on a GPU here (no device on this
+machine): the figures are left to the GPU benchmark."""
+
+BOUNCE_CPU_TARGETS = False
+"""Whether CPU tensors also go through the bounce path that device tensors take (restore
+landings and ``load(..., map_location="cpu")``). Off: a CPU tensor is read into directly,
+one copy fewer. Tests turn it on to run the device path where there is no GPU."""
 
 SHARD_BLOCK_BYTES = 8 * 2**20
 """A shard's bytes carry one CRC32C per block of this size (recorded in the manifest),

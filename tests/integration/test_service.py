@@ -13,7 +13,7 @@ import torch
 
 import checkpointd
 from checkpointd.daemon.priority import io_priority
-from checkpointd.errors import InvalidArgumentError, ServiceError
+from checkpointd.errors import ServiceError
 from tests.support.service import (
     Service,
     files_by_component,
@@ -87,13 +87,6 @@ def test_status_shows_kept_steps_and_clients(service: Service, tmp_path: Path) -
     text = run_python("-m", "checkpointd", "status", "--socket", service.socket, check=True).stdout
     assert "saves in flight: 0" in text
     assert "steps 1" in text
-
-
-def test_unsupported_options_are_refused_clearly(service: Service, tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="AsyncCheckpointWriter"):
-        checkpointd.AsyncCheckpointWriter(str(tmp_path), service=service.socket)
-    with pytest.raises(InvalidArgumentError, match="does not support"):
-        checkpointd.CheckpointWriter(str(tmp_path), service=service.socket, staging="overlapped")
 
 
 def _frozen_and_moving(step: int) -> dict[str, object]:

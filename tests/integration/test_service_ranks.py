@@ -32,8 +32,8 @@ WORLD = 2
 
 
 @contextmanager
-def _services(gate: str | None = None) -> Iterator[list[Service]]:
-    folders = [socket_folder() for _ in range(WORLD)]
+def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
+    folders = [socket_folder() for _ in range(world)]
     running: list[Service] = []
     try:
         for folder in folders:
@@ -70,11 +70,12 @@ def job_store() -> Iterator[int]:
 def _ranks(
     scenario: str, services: list[Service], root: Path, out: Path, *, steps: int, port: int
 ) -> list[subprocess.Popen[str]]:
+    """One rank per service."""
     out.mkdir(parents=True, exist_ok=True)
     procs = []
-    for rank in range(WORLD):
-        args = [scenario, services[rank].socket, str(root), str(out), str(steps)]
-        args += [str(rank), str(WORLD), str(port)]
+    for rank, service in enumerate(services):
+        args = [scenario, service.socket, str(root), str(out), str(steps)]
+        args += [str(rank), str(len(services)), str(port)]
         with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
             procs.append(
                 subprocess.Popen(
@@ -127,6 +128,37 @@ def test_ranks_save_through_their_services_with_one_outcome(
         _check_bit_exact(root, step)
     # each service wrote its own rank's share: both wrote saves
     assert all(status(s.socket).committed == 2 for s in services)
+
+
+def test_a_sub_group_saves_through_its_services(job_store: int, tmp_path: Path) -> None:
+    """Ranks {1, 2} of 3 save their own checkpoint (a pipeline stage) through their
+    services; rank 0 has no writer."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    with _services(world=3) as services:
+        procs = _ranks("stage", services, root, out, steps=2, port=job_store)
+        for rank, proc in enumerate(procs):
+            assert proc.wait(180) == 0, (out / f"stderr{rank}.txt").read_text()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+        assert reports[0]["outcomes"] == []
+        assert (
+            reports[1]["outcomes"]
+            == reports[2]["outcomes"]
+            == [
+                ["committed", 1],
+                ["committed", 2],
+            ]
+        )
+        assert [status(s.socket).committed for s in services] == [0, 2, 2]
+    assert _committed_steps(root) == [1, 2]
+    for step in (1, 2):
+        loaded = checkpointd.load(str(root), step)
+        assert torch.equal(loaded.state["model"]["w"], rank_state(step, 1)["model"]["w"])
+        # the group's ranks 0 and 1 are the job's ranks 1 and 2
+        assert loaded.state["mine-rank0"] == {"rank": 1, "step": step}
+        assert loaded.state["mine-rank1"] == {"rank": 2, "step": step}
+        assert catalog.read_manifest(open_store(str(root)), step).world_size == 2
 
 
 def test_ranks_killed_after_save_returned_still_commit(job_store: int, tmp_path: Path) -> None:

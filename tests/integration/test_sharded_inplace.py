@@ -19,8 +19,11 @@ from tests.integration.test_sharded import same
 from tests.support.launch import run_ranks
 
 
-def _job(action: str, root: str, out: Path, world: int) -> list[dict[str, Any]]:
-    reports = run_ranks("tests.support.inplace_job", [action, root, str(out)], out, world)
+def _job(
+    action: str, root: str, out: Path, world: int, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    args = [action, root, str(out)]
+    reports = run_ranks("tests.support.inplace_job", args, out, world, env=env)
     for rank, report in enumerate(reports):
         assert report is not None, (out / f"stderr{rank}.txt").read_text()[-3000:]
     return reports  # type: ignore[return-value]
@@ -94,3 +97,33 @@ def test_a_shard_file_changed_after_the_check_pass_is_reported(
         assert "changed while" in report["message"], report
         assert "'model'" in report["message"], report  # the component that may be part restored
         assert report["same_memory"], report
+
+
+BOUNCED = {"CHECKPOINTD_TEST_BOUNCE": "100"}
+"""Local shards through the bounce path (as CUDA ones), staging blocks of 100 bytes: the
+256-byte shard blocks of the job are each read whole into a (grown) staging block."""
+
+
+def test_local_shards_through_the_bounce_path_on_another_world_size(
+    saved: tuple[str, Path], tmp_path: Path
+) -> None:
+    root, out = saved
+    reports = _job("restore", root, tmp_path / "restore", 3, BOUNCED)
+    for report in reports:
+        assert report["ok"], report
+        assert report["same_memory"], report
+        assert report["landed"] == 12, report
+        assert report["bounced"] > 0, report
+    same(torch.load(out / "save.pt"), torch.load(tmp_path / "restore" / "restore.pt"))
+
+
+def test_a_shard_file_changed_after_the_check_pass_is_reported_through_the_bounce_path(
+    saved: tuple[str, Path], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(saved[0], root)
+    reports = _job("scribble", str(root), tmp_path / "scribble", 2, BOUNCED)
+    for report in reports:
+        assert report["error"] == "CorruptCheckpointError", report
+        assert "changed while" in report["message"], report
+        assert report["bounced"] > 0, report

@@ -12,7 +12,9 @@ shard file first) or ``scribble`` (a byte of the model's shard file flipped afte
 check pass: the landing must notice). Rank 0 writes OUT/{ACTION}.pt, the gathered state after it. Every
 rank writes OUT/rankR.json: ``ok``, ``error``, ``message``, ``landed`` (direct DTensors
 read into their local shards), ``same_memory`` (every local shard of the model and the
-optimizer is the tensor it was before), ``unchanged`` (those local shards hold what they held before).
+optimizer is the tensor it was before), ``unchanged`` (those local shards hold what they held before),
+``bounced`` (bytes copied out of the bounce buffer's staging: with CHECKPOINTD_TEST_BOUNCE
+set to a block size, CPU local shards land through read/bounce.py as CUDA ones do).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.read import boxes
+from checkpointd.read import bounce, boxes
 from tests.support.shard_job import build, full_state, train
 
 
@@ -83,13 +85,24 @@ def main() -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     result: dict[str, Any] = {"ok": False, "error": None, "message": "", "landed": 0}
+    result["bounced"] = 0
     original = boxes.Boxes.land
 
-    def counted(self: boxes.Boxes, where: str) -> None:
+    def counted(self: boxes.Boxes, *args: Any) -> None:
         result["landed"] += len(self.boxes)
-        original(self, where)
+        original(self, *args)
 
     boxes.Boxes.land = counted  # type: ignore[method-assign]
+    if os.environ.get("CHECKPOINTD_TEST_BOUNCE"):  # CPU local shards through bounce.py
+        tunables.BOUNCE_CPU_TARGETS = True
+        tunables.BOUNCE_BYTES = 2 * int(os.environ["CHECKPOINTD_TEST_BOUNCE"])
+        copy = bounce.HostTransfer.copy
+
+        def copied(self: bounce.HostTransfer, dst: torch.Tensor, src: torch.Tensor) -> None:
+            result["bounced"] += src.numel()
+            copy(self, dst, src)
+
+        bounce.HostTransfer.copy = copied  # type: ignore[method-assign]
     if action == "scribble":
         _scribble_after_check(root)
     if action == "save":

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,3 +188,29 @@ def files_by_component(root: Path, step: int) -> dict[str, bytes]:
 
 def args_list(values: Sequence[object]) -> list[str]:
     return [str(v) for v in values]
+
+
+def kill_at_line(proc: subprocess.Popen[str], wanted: str, delay: float = 0.0) -> str:
+    """Read ``proc``'s stdout until the line ``wanted``, SIGKILL it (after ``delay``
+    seconds), reap it; its stderr. AssertionError if it ended before that line."""
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == wanted:
+                time.sleep(delay)
+                proc.send_signal(signal.SIGKILL)
+                break
+        else:
+            raise AssertionError(f"the process ended before printing {wanted!r}")
+    finally:
+        err = reap(proc)
+    assert proc.returncode == -signal.SIGKILL, err
+    return err
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; AssertionError after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        time.sleep(0.05)

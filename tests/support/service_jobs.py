@@ -1,10 +1,11 @@
 """Child processes for the service's fault tests: a trainer that saves through a service,
 and a service whose writes are held (a save stays in flight until a file appears).
 
-``python -m tests.support.service_jobs trainer SOCKET ROOT STEPS [hang-in-copy]``
+``python -m tests.support.service_jobs trainer SOCKET ROOT STEPS [hang-in-copy | overlapped]``
 prints ``returned N`` (flushed) once ``save(N)`` has returned; with ``hang-in-copy``
 it stops for good right after the service handed it a segment (as if the copy into
-shared memory were under way) and prints ``copying``.
+shared memory were under way) and prints ``copying``; with ``overlapped`` it saves
+with ``staging="overlapped"`` and prints ``staged N`` once save N is staged.
 ``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
 ``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
 first storage call; ``sync_dir``: after its files are written, before the manifest)
@@ -29,11 +30,14 @@ def expected_state(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
+def trainer(socket: str, root: str, steps: int, mode: str | None) -> None:
     import checkpointd
     from checkpointd.write.capture import StagingBuffer
 
-    if hang_in_copy:
+    if mode == "overlapped":
+        overlapped_trainer(socket, root, steps)
+        return
+    if mode == "hang-in-copy":
         real = StagingBuffer.reserve
 
         def reserve(self: StagingBuffer, nbytes: int, *, pinned: bool) -> torch.Tensor:
@@ -53,6 +57,28 @@ def trainer(socket: str, root: str, steps: int, hang_in_copy: bool) -> None:
     print(f"service pid {status(socket).pid}", flush=True)
 
 
+def overlapped_trainer(socket: str, root: str, steps: int) -> None:
+    """Saves ``expected_state(step)`` with ``staging="overlapped"``, its weights an
+    optimizer's parameter (so copied in the background); prints ``staged N`` once
+    save N is staged, then changes the weights for the next step."""
+    import checkpointd
+
+    weights = torch.nn.Parameter(torch.zeros(256, 256))
+    optimizer = torch.optim.SGD([weights], lr=0.1)
+    with checkpointd.CheckpointWriter(root, service=socket, staging="overlapped") as writer:
+        for step in range(steps):
+            expected = expected_state(step)
+            with torch.no_grad():
+                weights.copy_(expected["weights"])
+            state = {
+                "model": {"weights": weights, "step": expected["step"]},
+                "optimizer": optimizer,
+            }
+            writer.save(step, state).wait_staged()
+            print(f"staged {step}", flush=True)
+        writer.wait()
+
+
 def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
     from checkpointd.cli.main import main
     from checkpointd.storage import LocalStore
@@ -70,6 +96,6 @@ def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "trainer":
-        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["hang-in-copy"])
+        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), (sys.argv[5:] or [None])[0])
     else:
         held_serve(sys.argv[2], sys.argv[3], sys.argv[5:])

@@ -10,6 +10,8 @@ The job's TCP store is hosted by the test (as torchrun's agent hosts it), at
   outcome (the test may kill -9 the ranks right after the last ``returned``).
 - ``absent``: rank 0 saves step 1 and reports its outcome; rank 1 makes its writer,
   then exits without saving (its writer closed by a process exit, no ``save()``).
+- ``stage`` (3 ranks): ranks {1, 2} save as ``save`` does with ``process_group=`` a
+  ``new_group([1, 2])``; rank 0 makes no writer.
 """
 
 from __future__ import annotations
@@ -47,7 +49,17 @@ def main() -> None:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     result: dict[str, Any] = {"outcomes": []}
-    with checkpointd.CheckpointWriter(root, service=socket, max_pending=steps) as writer:
+    group = None
+    if scenario == "stage":  # ranks {1, 2} of 3 save; rank 0 only trains
+        group = dist.new_group([1, 2])
+        if rank == 0:
+            dist.barrier()  # after the stage's saves resolved
+            Path(out, "rank0.json").write_text(json.dumps(result))
+            dist.destroy_process_group()
+            return
+    with checkpointd.CheckpointWriter(
+        root, service=socket, max_pending=steps, process_group=group
+    ) as writer:
         if scenario == "absent" and rank == 1:
             dist.barrier()  # rank 0's writer exists too
             return
@@ -63,6 +75,8 @@ def main() -> None:
                 result["outcomes"].append(["committed", info.step])
             except checkpointd.CheckpointError as exc:
                 result["outcomes"].append([type(exc).__name__, str(exc)])
+    if scenario == "stage":
+        dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -8,24 +8,27 @@ service's shared memory, asked for at the size capture needs), then ``submit``
 sends the snapshot's description and returns once the service has accepted
 it: from then on the checkpoint commits even if this process dies. The handle
 resolves when the service reports the commit or the failure; if the service
-goes away, every pending handle fails with ServiceError at once. Imports torch.
+goes away, every pending handle fails with ServiceError at once.
+
+With ``staging="overlapped"`` the copy may still run when ``save()`` returns: the
+snapshot is sent when it ends, before the save counts as staged, so the service
+owns it from ``handle.staged()`` on, not from the return. Handles are
+resolved by the connection's reader thread, never on an event loop, so an
+AsyncCheckpointWriter awaits them through a worker thread. Imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 import msgspec
-import torch
 from anyio.abc import TaskStatus
 
-from checkpointd.errors import InvalidArgumentError, ServiceError
+from checkpointd.errors import InvalidArgumentError, ServiceError, StagingError
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
@@ -34,7 +37,7 @@ from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
 from .client import Connection, connect, error_from
-from .shm import map_fd
+from .segments import Mappings, SegmentBuffer
 from .snapshot import describe
 
 if TYPE_CHECKING:
@@ -43,30 +46,16 @@ if TYPE_CHECKING:
 __all__ = ["RemoteService", "open_remote"]
 
 
-def open_remote(
-    root: str, options: WriterOptions, group: Group | None, *, in_callers_loop: bool
-) -> RemoteService:
+def open_remote(root: str, options: WriterOptions, group: Group | None) -> RemoteService:
     """The RemoteService of a writer of ``root`` made with ``service=`` (in ``options``);
     ``group``: the ranks it saves with, re-keyed for the service (ranks/hosted.py), or
-    None; ``in_callers_loop``: an AsyncCheckpointWriter.
-    InvalidArgumentError for an option the service does not support yet, ServiceError
-    if no service answers (or, with "auto", none could be started)."""
-    unsupported = [
-        what
-        for what, used in (
-            ('staging="overlapped"', options.staging != "blocking"),
-            ("AsyncCheckpointWriter", in_callers_loop),
-            (
-                "buffer_pool (the service's shared memory is its buffers)",
-                options.buffer_pool is not None,
-            ),
-        )
-        if used
-    ]
-    if unsupported:
+    None. InvalidArgumentError for a ``buffer_pool`` (the service's shared memory is
+    the buffers), ServiceError if no service answers (or, with "auto", none could be
+    started)."""
+    if options.buffer_pool is not None:
         raise InvalidArgumentError(
-            f"the checkpoint service does not support {', '.join(unsupported)} yet: "
-            "use service=None for this writer"
+            "the checkpoint service does not take a buffer_pool (its shared memory is "
+            "the staging buffers): use service=None for this writer"
         )
     service = options.service_path
     assert service is not None
@@ -97,95 +86,6 @@ def open_remote(
     except BaseException:
         conn.close()
         raise
-
-
-class _Mappings:
-    """This process's mappings of the last segments it captured into, by memfd inode.
-
-    The service hands a freed segment out again for the next save of a similar
-    size; mapping it anew would set up every page again (measured: the main cost
-    of ``save()`` over the in-process writer). Only the last ``KEEP`` are kept: in
-    steady state those are the segment being filled and the one the service keeps
-    in memory (or as its spare), so no memory stays alive only because of us for
-    longer than one save. Any thread."""
-
-    KEEP = 2
-
-    def __init__(self) -> None:
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._lock = threading.Lock()
-
-    def map(self, fd: int, size: int) -> mmap.mmap:
-        """A writable mapping of at least ``size`` bytes of segment ``fd`` (closed here)."""
-        try:
-            info = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        key = (info.st_dev, info.st_ino)
-        with self._lock:
-            found = self._maps.pop(key, None)
-        if found is not None and len(found) >= max(size, 1):
-            os.close(fd)
-        else:
-            if found is not None:
-                _unmap(found)
-            found = map_fd(fd, size, writable=True)
-        with self._lock:
-            self._maps[key] = found
-            while len(self._maps) > self.KEEP:
-                _unmap(self._maps.pop(next(iter(self._maps))))
-        return found
-
-    def close(self) -> None:
-        with self._lock:
-            maps, self._maps = list(self._maps.values()), {}
-        for mapped in maps:
-            _unmap(mapped)
-
-
-def _unmap(mapped: mmap.mmap) -> None:
-    with contextlib.suppress(BufferError):  # tensors over it still alive: unmapped when
-        mapped.close()  # they go
-
-
-class _SegmentBuffer(StagingBuffer):
-    """A staging buffer whose arena is a new service segment at each reserve."""
-
-    def __init__(self, conn: Connection, mappings: _Mappings) -> None:
-        super().__init__(self._allocate)
-        self._conn = conn
-        self._mappings = mappings
-        self.segment: int | None = None
-        self._pinned: int | None = None  # the address registered with CUDA
-
-    def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        self.forget()
-        reply, fd = self._conn.request(p.Alloc, nbytes=nbytes)
-        assert isinstance(reply, p.Segment)
-        assert fd is not None
-        self.segment = reply.segment
-        mapped = self._mappings.map(fd, nbytes)
-        arena = torch.frombuffer(mapped, dtype=torch.uint8, count=max(nbytes, 1))
-        if pinned and torch.cuda.is_available():
-            _cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-            self._pinned = arena.data_ptr()
-        return arena[:nbytes] if nbytes else arena
-
-    def forget(self) -> None:
-        """Drop the arena; the segment is no longer ours (its mapping stays in
-        ``_Mappings`` for a later save that gets the same segment again)."""
-        self.drop()
-        self.segment = None
-        if self._pinned is not None:
-            _cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
-
-
-def _cudart() -> Any:
-    """The CUDA runtime, to page-lock a segment for CUDA sources (cudaHostRegister) so
-    their copies stay DMA, and to unlock it before it is unmapped."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 class RemoteService:
@@ -226,7 +126,7 @@ class RemoteService:
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
         self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
-        self._mappings = _Mappings()
+        self._mappings = Mappings()
         conn.on_event = self._event
         conn.on_lost = self._lost
         reply, _ = conn.request(
@@ -269,11 +169,11 @@ class RemoteService:
         # wait stays cancellable (an interrupted save()).
         while not self._slots.acquire(blocking=False):  # noqa: ASYNC110
             await anyio.sleep(0.002)
-        return _SegmentBuffer(self.conn, self._mappings)
+        return SegmentBuffer(self.conn, self._mappings)
 
     def release_buffer(self, buffer: StagingBuffer) -> None:
         """Give back a buffer whose save was never submitted (its capture failed)."""
-        assert isinstance(buffer, _SegmentBuffer)
+        assert isinstance(buffer, SegmentBuffer)
         segment = buffer.segment
         buffer.forget()
         self._slots.release()
@@ -283,17 +183,53 @@ class RemoteService:
 
     async def submit(self, snapshot: Snapshot, handle: SaveHandle) -> None:
         """Hand the snapshot to the service; returns once it is accepted (it commits
-        from now on, whatever happens to this process)."""
+        from now on, whatever happens to this process). An overlapped save whose copy
+        still runs is handed over by the copier's thread when the copy ends, before the
+        save counts as staged (saves stage one at a time, so they are sent in order);
+        then this returns at once."""
+        staging = handle.staging
+        if staging is not None and staging.hand_over(
+            lambda error: self._hand_over(snapshot, handle, error)
+        ):
+            return
+        if staging is None:
+            await anyio.to_thread.run_sync(self._send, snapshot, handle)
+        else:  # the copy has already ended: as at its end
+            await anyio.to_thread.run_sync(self._hand_over, snapshot, handle, staging.error)
+
+    def _hand_over(
+        self, snapshot: Snapshot, handle: SaveHandle, error: StagingError | None
+    ) -> None:
+        """Copier thread, at the end of an overlapped save's copy: send it, or fail its
+        handle (a failed copy; the service unreachable)."""
+        try:
+            if error is not None:
+                self._abandon(snapshot, error)
+                self.release_buffer(snapshot.buffer)
+                raise error
+            self._send(snapshot, handle)  # gives the buffer back if it raises
+        except Exception as exc:
+            self.failures.add(exc)
+            handle.resolve(None, exc)
+
+    def _abandon(self, snapshot: Snapshot, error: StagingError) -> None:
+        """With ranks, a failed copy abandons the attempt on every rank (they fail at once)."""
+        if self.group is not None:
+            from checkpointd.ranks.attempt import abandon
+
+            abandon(self.group, snapshot.step, snapshot.attempt, f"its staging failed ({error})")
+
+    def _send(self, snapshot: Snapshot, handle: SaveHandle) -> None:
+        """Send one save's description and register its handle once accepted; gives the
+        buffer back if it raises. A worker or the copier's thread (it blocks)."""
         buffer = snapshot.buffer
-        assert isinstance(buffer, _SegmentBuffer)
+        assert isinstance(buffer, SegmentBuffer)
         try:
             desc = describe(snapshot)
             segment = buffer.segment
             assert segment is not None
-            reply, _ = await anyio.to_thread.run_sync(
-                lambda: self.conn.request(
-                    p.Submit, writer=self.writer, segment=segment, snapshot=desc
-                )
+            reply, _ = self.conn.request(
+                p.Submit, writer=self.writer, segment=segment, snapshot=desc
             )
         except BaseException:
             self.release_buffer(buffer)

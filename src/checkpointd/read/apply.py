@@ -22,6 +22,7 @@ from checkpointd.errors import (
 from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.ranks.group import per_rank_targets
 from checkpointd.read import catalog, inplace
+from checkpointd.read.bounce import Bounce
 from checkpointd.read.reader import StepReader
 from checkpointd.state.fit import check_fits, check_restorable
 from checkpointd.state.loading import dtensor_templates, load_component
@@ -191,10 +192,11 @@ def apply_prepared(prepared: Prepared) -> None:
         )
     landed: list[str] = []
     try:
-        for name in names:
-            if planned[name].lands():
-                landed.append(name)
-                inplace.land(prepared.where, planned[name])
+        with Bounce() as staging:  # one bounce buffer for every device tensor landed
+            for name in names:
+                if planned[name].lands():
+                    landed.append(name)
+                    inplace.land(prepared.where, planned[name], staging)
     except BaseException as exc:
         _roll_back(targets, backups, touched)
         if not isinstance(exc, Exception):

@@ -2,8 +2,8 @@
 
 For a target that takes its tensors in place (``targets.dtensor_lands_in_place``: a
 plain or FSDP2 module, a plain optimizer loaded by parameter name, a dict), each stored
-sharded tensor whose live DTensor's local shard is a contiguous CPU tensor of the same
-dtype is *direct*: the decoder is handed the live DTensor itself, and the bytes of the
+sharded tensor whose live DTensor's local shard is a contiguous CPU (or CUDA) tensor of
+the same dtype is *direct*: the decoder is handed the live DTensor itself, and the bytes of the
 rank's box are read into the local shard's memory once, after every check has passed.
 The order is inplace.py's, per block instead of per file (shards carry one CRC32C per
 ``block_bytes`` block):
@@ -23,6 +23,9 @@ The order is inplace.py's, per block instead of per file (shards carry one CRC32
    CRC32C computed again over what was read; other parts are read into fresh memory
    through the pin (checked) and copied. On a pinned file only another program writing
    into a committed file, or a media error, can fail here (CorruptCheckpointError).
+   A local shard on a device (CUDA) cannot be read into: each block of its contiguous
+   parts is read into a staging block of the bounce buffer (bounce.py), checked there
+   and copied to the device.
 
 Blocking; the thread reading the component (plus one helper thread while streaming).
 """
@@ -38,6 +41,7 @@ import torch
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import Span, crc32c_each
 from checkpointd.format.manifest import ShardedTensor, ShardEntry
+from checkpointd.read.bounce import Block, Bounce, needs_bounce, transfer_for
 from checkpointd.read.landing import bytes_of
 from checkpointd.read.reader import StepReader
 from checkpointd.state.shards import Box, intersect, local_box
@@ -96,7 +100,7 @@ def _fits(local: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
     return (
         type(local) is torch.Tensor
         and local.layout == torch.strided
-        and local.device.type == "cpu"
+        and (local.device.type == "cpu" or needs_bounce(local))
         and local.dtype == dtype
         and tuple(local.shape) == tuple(box[1])
         and local.numel() > 0
@@ -115,7 +119,7 @@ class Boxes:
         self.boxes: dict[str, _Box] = {}
         self._pins: dict[str, PinnedFile | None] = {}
         self._buffers: list[memoryview] = []
-        self._spans: list[tuple[int, int]] = []
+        self._spans: list[tuple[torch.device, int, int]] = []
 
     def keys(self) -> set[tuple[Any, ...]]:
         """``alias_key`` of every direct local shard (what a backup keeps by reference)."""
@@ -131,7 +135,7 @@ class Boxes:
             return None
         if any(shard.blob for shard in sharded.shards):
             return None  # shards in shared blobs (incremental saves): read the usual way
-        if template.device.type != "cpu":
+        if template.device.type != "cpu" and transfer_for(template.device) is None:
             return None
         dtype = decode_dtype(sharded.dtype)
         if dtype is None:
@@ -155,7 +159,7 @@ class Boxes:
             return None  # the shards do not cover the box: the usual path reports it
         self.boxes[name] = item
         start = local.data_ptr()
-        self._spans.append((start, start + local.numel() * local.element_size()))
+        self._spans.append((local.device, start, start + local.numel() * local.element_size()))
         live: torch.Tensor = template
         return live
 
@@ -163,7 +167,7 @@ class Boxes:
         """Whether ``local``'s memory overlaps no direct local shard taken so far."""
         lo = local.data_ptr()
         hi = lo + local.numel() * local.element_size()
-        return not any(a < hi and lo < b for a, b in self._spans)
+        return not any(d == local.device and a < hi and lo < b for d, a, b in self._spans)
 
     def _pin(self, file: str) -> PinnedFile | None:
         if file not in self._pins:
@@ -250,10 +254,14 @@ class Boxes:
                 seen[name] = seen.get(name, 0) + 1
         return all(seen.get(name) == 1 for name in self.boxes)
 
-    def land(self, where: str) -> None:
-        """Read every direct box into its local shard (see the module doc, step 3)."""
+    def land(self, where: str, staging: Bounce) -> None:
+        """Read every direct box into its local shard (see the module doc, step 3); the
+        pieces of a file any of whose local shards is on a device go through ``staging``."""
         for file, pieces in self._by_file().items():
-            self._land_file(where, file, pieces)
+            if any(needs_bounce(item.local) for item, _ in pieces):
+                self._land_bounced(where, file, pieces, staging)
+            else:
+                self._land_file(where, file, pieces)
         for item in self.boxes.values():
             torch.autograd.graph.increment_version(item.local)
 
@@ -265,14 +273,10 @@ class Boxes:
         owners: list[tuple[_Box, _Part, int]] = []
         edges: dict[int, tuple[memoryview, int, int, int]] = {}  # span -> (dest, from, to, at)
         for item, piece in pieces:
-            if piece.kept is not None:
-                item.local[self._where(item.box, piece.part)].copy_(piece.kept)
+            if piece.kept is not None or piece.contiguous is None:
+                self._land_copied(file, item, piece)
                 continue
             shard = piece.shard
-            if piece.contiguous is None:
-                fresh = self.reader.shard_part(shard, item.dtype, piece.part, self._read(file))
-                item.local[self._where(item.box, piece.part)].copy_(fresh)
-                continue
             begin, end, at = piece.contiguous
             local = bytes_of(item.local)
             for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
@@ -292,7 +296,43 @@ class Boxes:
                 local, a, b, to = edge
                 local[to : to + b - a] = view[a:b]
 
-        digests = crc32c_each(spans, self._read(file), after)
+        self._check_landed(where, file, owners, crc32c_each(spans, self._read(file), after))
+
+    def _land_bounced(
+        self, where: str, file: str, pieces: list[tuple[_Box, _Part]], staging: Bounce
+    ) -> None:
+        """``_land_file`` for local shards on a device: every block of a contiguous part
+        is read into one of ``staging``'s blocks, checked there and copied to the device."""
+        items: list[memoryview | Block] = []
+        owners: list[tuple[_Box, _Part, int]] = []
+        for item, piece in pieces:
+            if piece.kept is not None or piece.contiguous is None:
+                self._land_copied(file, item, piece)
+                continue
+            begin, end, at = piece.contiguous
+            flat = item.local.detach().reshape(-1).view(torch.uint8)
+            for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
+                owners.append((item, piece, index))
+                a, b = max(lo, begin), min(hi, end)
+                dst = flat[at + a - begin : at + b - begin]
+                items.append(Block(hi - lo, piece.shard.begin + lo, ((dst, a - lo, b - lo),)))
+        if items:
+            digests = staging.run(self._read(file), items, chained=False)
+            self._check_landed(where, file, owners, digests)
+
+    def _land_copied(self, file: str, item: _Box, piece: _Part) -> None:
+        """Land a piece kept by the check pass, or one strided in the shard or the local
+        shard (read fresh through the pin, checked, then copied)."""
+        if piece.kept is not None:
+            item.local[self._where(item.box, piece.part)].copy_(piece.kept)
+            return
+        fresh = self.reader.shard_part(piece.shard, item.dtype, piece.part, self._read(file))
+        item.local[self._where(item.box, piece.part)].copy_(fresh)
+
+    def _check_landed(
+        self, where: str, file: str, owners: list[tuple[_Box, _Part, int]], digests: list[int]
+    ) -> None:
+        """CorruptCheckpointError unless every landed block's digest is the manifest's."""
         for (item, piece, index), digest in zip(owners, digests, strict=True):
             expected = piece.shard.crc32c[index]
             if digest != expected:

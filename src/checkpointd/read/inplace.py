@@ -8,7 +8,9 @@ whose ``load_state_dict`` is known to either copy each tensor into its own memor
 (``nn.Module``, a tensor) or adopt the given tensors as they are (``torch.optim``
 optimizers, a dict), every stored tensor whose live counterpart is a contiguous CPU
 tensor of the same dtype and shape is a *direct* tensor: its bytes are read into the
-live tensor's memory, once, instead of into fresh memory that is then copied.
+live tensor's memory, once, instead of into fresh memory that is then copied. A CUDA
+live tensor is direct too: its bytes land through a reused pinned bounce buffer
+(bounce.py) in step 3, the order and the checks being the same.
 
 Why that stays all or nothing, with at most two ``tunables.READ_CHUNK_BYTES`` buffers
 of extra memory for the direct tensors:
@@ -52,6 +54,7 @@ import torch
 from checkpointd.errors import StorageNotFoundError
 from checkpointd.format.codec import decode_tree
 from checkpointd.format.header import TensorEntry
+from checkpointd.read.bounce import Bounce, needs_bounce
 from checkpointd.read.boxes import Boxes
 from checkpointd.read.landing import Landing, check_pass, land_file
 from checkpointd.read.reader import StepReader
@@ -121,7 +124,7 @@ def _fits(live: torch.Tensor, entry: TensorEntry) -> bool:
     return (
         type(live) in (torch.Tensor, torch.nn.Parameter)
         and live.layout == torch.strided
-        and live.device.type == "cpu"
+        and (live.device.type == "cpu" or needs_bounce(live))
         and live.dtype == entry.dtype
         and tuple(live.shape) == tuple(entry.shape)
         and live.numel() > 0
@@ -153,7 +156,7 @@ def _direct(
         if isinstance(leaf, torch.Tensor) and id(leaf) in probe.handed:
             uses.setdefault(probe.handed[id(leaf)][0], []).append(path)
     direct: dict[str, torch.Tensor] = {}
-    taken: list[tuple[int, int]] = []
+    taken: list[tuple[torch.device, int, int]] = []
     for name, paths in uses.items():
         entry = by_name.get(name)
         if entry is None or len(paths) != probe.requests.get(name):
@@ -164,8 +167,8 @@ def _direct(
             continue
         if any(d is None or alias_key(d) != alias_key(first) for d in dests[1:]):
             continue
-        span = (first.data_ptr(), first.data_ptr() + entry.end - entry.begin)
-        if any(a < span[1] and span[0] < b for a, b in taken):
+        span = (first.device, first.data_ptr(), first.data_ptr() + entry.end - entry.begin)
+        if any(d == span[0] and a < span[2] and span[1] < b for d, a, b in taken):
             continue  # overlaps another direct tensor's memory: copy it the usual way
         taken.append(span)
         direct[name] = first
@@ -323,18 +326,20 @@ def still_held(target: Any, planned: Planned) -> bool:
     return planned.direct_keys() <= held
 
 
-def land(where: str, planned: Planned) -> None:
+def land(where: str, planned: Planned, staging: Bounce | None = None) -> None:
     """Read the direct tensors' bytes into the live tensors, checking each pinned file's
     CRC32C again over what landed (``where``: the step, for messages);
-    CorruptCheckpointError if it differs (the file changed since the check pass)."""
-    for landing in planned.landings:
-        land_file(where, landing)
-        for live in landing.direct.values():
-            # As an in-place copy would: autograd then refuses a backward through a
-            # graph that saved the old values, instead of using the new ones silently.
-            torch.autograd.graph.increment_version(live)
-    if planned.boxes is not None:
-        planned.boxes.land(where)
+    CorruptCheckpointError if it differs (the file changed since the check pass).
+    ``staging``: the bounce buffer device tensors land through (else one of its own)."""
+    with Bounce() as own:  # allocates nothing unless used
+        for landing in planned.landings:
+            land_file(where, landing, staging or own)
+            for live in landing.direct.values():
+                # As an in-place copy would: autograd then refuses a backward through a
+                # graph that saved the old values, instead of using the new ones silently.
+                torch.autograd.graph.increment_version(live)
+        if planned.boxes is not None:
+            planned.boxes.land(where, staging or own)
 
 
 def release(planned: list[Planned]) -> None:

@@ -4,7 +4,8 @@ file through two reused chunk buffers, checks its CRC32C and copies its other te
 out; the landing pass reads the direct tensors' bytes into the live tensors and checks
 the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
 open: the service's memory tier) is checked where it lies and landed with one copy,
-without the second check. Blocking; the restoring thread (plus one helper
+without the second check. Direct tensors on a device land through a ``bounce.Bounce``
+(read a block at a time into pinned staging, checked, copied). Blocking; the restoring thread (plus one helper
 thread per file while streaming)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import crc32c_stream
 from checkpointd.format.header import TensorEntry
+from checkpointd.read.bounce import Bounce, Piece, needs_bounce
 from checkpointd.read.reader import StepReader
 from checkpointd.storage.base import MappedFile, PinnedFile
 
@@ -131,18 +133,27 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     }
 
 
-def land_file(where: str, landing: Landing) -> None:
-    """Land the direct tensors of one file (``where``: the step, for messages)."""
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor on its device."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> None:
+    """Land the direct tensors of one file (``where``: the step, for messages); those
+    on a device (``bounce.needs_bounce``) go through ``staging`` (else one of its own)."""
     source = landing.source
     if source is not None:  # read whole and checked in the check pass
         for e in landing.entries:
             live = landing.direct.get(e.name)
             if live is not None:
-                flat = live.detach().reshape(-1).view(torch.uint8)
-                flat.copy_(source[landing.start + e.begin : landing.start + e.end])
+                _flat(live).copy_(source[landing.start + e.begin : landing.start + e.end])
         return
     pinned = landing.pinned
     assert pinned is not None
+    if any(needs_bounce(live) for live in landing.direct.values()):
+        with Bounce() as own:  # allocates nothing unless used
+            _check_landed(where, landing, _bounce(landing, pinned, staging or own))
+        return
     if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
         for e in landing.entries:
             if (live := landing.direct.get(e.name)) is not None:
@@ -159,7 +170,23 @@ def land_file(where: str, landing: Landing) -> None:
         for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
             part = view[at : at + tunables.READ_CHUNK_BYTES]
             spans.append((part, landing.start + e.begin + at))
-    digest = crc32c_stream(spans, pinned.read_into)
+    _check_landed(where, landing, crc32c_stream(spans, pinned.read_into))
+
+
+def _bounce(landing: Landing, pinned: PinnedFile, staging: Bounce) -> int:
+    """Land a file's direct tensors through the bounce buffer (each read a block at a time
+    and copied to its device; the other bytes from what the check pass kept): the CRC32C
+    of the whole file as it landed."""
+    items: list[memoryview | Piece] = [memoryview(landing.header)]
+    kept = iter(landing.kept)
+    for e in landing.entries:
+        live = landing.direct.get(e.name)
+        items.append(next(kept) if live is None else Piece(_flat(live), landing.start + e.begin))
+    return staging.stream(pinned.read_into, items)
+
+
+def _check_landed(where: str, landing: Landing, digest: int) -> None:
+    """CorruptCheckpointError unless ``digest``, of the bytes landed, is the file's."""
     if digest != landing.crc32c:
         raise CorruptCheckpointError(
             f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "

@@ -27,7 +27,7 @@ from checkpointd.errors import (
 from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.maintain.lineage import note_resumed
 from checkpointd.ranks.group import place_in
-from checkpointd.read import catalog, inplace
+from checkpointd.read import bounce, catalog, inplace, todevice
 from checkpointd.read.apply import Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.reader import StepReader
@@ -152,14 +152,23 @@ def _load_from(
             f"(it has: {', '.join(manifest.components)})"
         )
     reader = StepReader(store, step, manifest, verify=verify)
-    with concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool:
-        futures = {
-            name: pool.submit(reader.component, name, None, (templates or {}).get(name))
-            for name in wanted
-        }
+    device = None if map_location is None else bounce.resolved(torch.device(map_location))
+    with (
+        bounce.Bounce() as staging,  # closed after the pool has joined its threads
+        concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool,
+    ):
+
+        def read(name: str) -> Any:
+            part = (templates or {}).get(name)
+            if device is None or part or bounce.transfer_for(device) is None:
+                return reader.component(name, None, part)
+            # Tensor files straight to the device through the bounce buffer (todevice.py).
+            on_device = todevice.component_on(reader, name, device, staging)
+            return reader.component(name, None, part, preloaded=on_device)
+
+        futures = {name: pool.submit(read, name) for name in wanted}
         state = {name: future.result() for name, future in futures.items()}
-    if map_location is not None:
-        device = torch.device(map_location)
+    if device is not None:
         state = {name: _move(tree, device) for name, tree in state.items()}
     info = CheckpointInfo.from_manifest(manifest, catalog.step_path(store, step))
     return Checkpoint(info, state)

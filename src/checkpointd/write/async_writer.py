@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -26,9 +26,6 @@ from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.read.restore import Checkpoint, RestoreInfo
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import newest_committed
-
-if TYPE_CHECKING:
-    pass
 from checkpointd.write.writer_base import WriterBase
 
 __all__ = ["AsyncCheckpointWriter"]
@@ -46,7 +43,6 @@ class AsyncCheckpointWriter(WriterBase):
     """
 
     _group: TaskGroup | None = None
-    _in_callers_loop = True
 
     def _start(self) -> None:
         """The service starts in ``__aenter__``; here only the table of each pending save's
@@ -105,9 +101,12 @@ class AsyncCheckpointWriter(WriterBase):
             except BaseException:
                 self._service.release_buffer(buffer)
                 raise
-            event = anyio.Event()
+            # The in-process service resolves handles on this loop; the checkpoint
+            # service's reader thread cannot set an event of this loop.
+            event = anyio.Event() if self._service.loop_thread is not None else None
             handle = self._handle(step, started, event, staging)
-            self._events[handle] = event
+            if event is not None:
+                self._events[handle] = event
             await self._service.submit(snapshot, handle)
         handle.blocked_seconds = time.perf_counter() - started
         return handle
@@ -122,8 +121,13 @@ class AsyncCheckpointWriter(WriterBase):
 
     async def _drain(self) -> None:
         for handle in list(self._pending):
-            if not handle.done():
-                await self._events[handle].wait()
+            if handle.done():
+                continue
+            event = self._events.get(handle)
+            if event is not None:
+                await event.wait()
+            else:  # resolved on another thread: its error is raised by the caller
+                await anyio.to_thread.run_sync(handle.exception, abandon_on_cancel=True)
         self._pending.clear()
 
     async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API

@@ -57,12 +57,9 @@ def open_service(
     store: Store,
     options: WriterOptions,
     ranks: Group | None,
-    *,
-    in_callers_loop: bool,
 ) -> WriteService | RemoteService:
-    """The write service: in this process, or the checkpoint service's stand-in (which
-    refuses what it does not support yet); ``in_callers_loop`` for an
-    AsyncCheckpointWriter. Closes ``ranks`` if it cannot be made."""
+    """The write service: in this process, or the checkpoint service's stand-in.
+    Closes ``ranks`` if it cannot be made."""
     try:
         if options.service is None:
             return WriteService(
@@ -78,7 +75,7 @@ def open_service(
             )
         from checkpointd.daemon.remote import open_remote
 
-        return open_remote(root, options, ranks, in_callers_loop=in_callers_loop)
+        return open_remote(root, options, ranks)
     except BaseException:
         if ranks is not None:
             ranks.close()

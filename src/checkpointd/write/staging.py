@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import anyio.to_thread
@@ -59,6 +59,8 @@ class Staging:
         self.error: StagingError | None = None
         self.started = False
         """Whether copies were issued (capture may fail before: then it never ends)."""
+        self._lock = threading.Lock()
+        self._handovers: list[Callable[[StagingError | None], None]] | None = []
 
     def done(self) -> bool:
         """True once the copy has ended, successfully or not."""
@@ -75,11 +77,26 @@ class Staging:
         if self.error is not None:
             raise self.error
 
+    def hand_over(self, callback: Callable[[StagingError | None], None]) -> bool:
+        """Have ``callback(error)`` run when the copy ends, before ``done()`` turns True
+        (on the thread that ends it; it must not raise); False, and nothing registered,
+        if the copy has already ended. Any thread."""
+        with self._lock:
+            if self._handovers is None:
+                return False
+            self._handovers.append(callback)
+            return True
+
     def finish(self, error: BaseException | None) -> None:
-        """End the copy (``error``: it failed); once, by whoever ran it."""
+        """End the copy (``error``: it failed): run the handovers, then release the
+        waiters; once, by whoever ran it."""
         if error is not None:
             self.error = StagingError(f"copying the state into host memory failed: {error}")
             self.error.__cause__ = error
+        with self._lock:
+            handovers, self._handovers = self._handovers or [], None
+        for callback in handovers:
+            callback(self.error)
         self._done.set()
 
 

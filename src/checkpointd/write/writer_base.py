@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -53,8 +53,6 @@ class WriterBase:
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
     """
-
-    _in_callers_loop: ClassVar[bool] = False  # True: the service runs in the caller's loop
 
     def __init__(
         self,
@@ -109,7 +107,6 @@ class WriterBase:
                 self._store,
                 self.options,
                 self._ranks,
-                in_callers_loop=self._in_callers_loop,
             )
         except BaseException:
             self._store.close()

@@ -1,0 +1,111 @@
+"""The trainer's side of the service's shared memory: the staging buffer whose arena is
+a service segment (``SegmentBuffer``), and the mappings of the last segments it used
+(``Mappings``), kept so a reused segment is not set up page by page again. Imports
+torch."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from typing import Any
+
+import torch
+
+from checkpointd.write.capture import StagingBuffer
+
+from . import protocol as p
+from .client import Connection
+from .shm import map_fd
+
+__all__ = ["Mappings", "SegmentBuffer"]
+
+
+class Mappings:
+    """This process's mappings of the last segments it captured into, by memfd inode.
+
+    The service hands a freed segment out again for the next save of a similar
+    size; mapping it anew would set up every page again (measured: the main cost
+    of ``save()`` over the in-process writer). Only the last ``KEEP`` are kept: in
+    steady state those are the segment being filled and the one the service keeps
+    in memory (or as its spare), so no memory stays alive only because of us for
+    longer than one save. Any thread."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def map(self, fd: int, size: int) -> mmap.mmap:
+        """A writable mapping of at least ``size`` bytes of segment ``fd`` (closed here)."""
+        try:
+            info = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        key = (info.st_dev, info.st_ino)
+        with self._lock:
+            found = self._maps.pop(key, None)
+        if found is not None and len(found) >= max(size, 1):
+            os.close(fd)
+        else:
+            if found is not None:
+                _unmap(found)
+            found = map_fd(fd, size, writable=True)
+        with self._lock:
+            self._maps[key] = found
+            while len(self._maps) > self.KEEP:
+                _unmap(self._maps.pop(next(iter(self._maps))))
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for mapped in maps:
+            _unmap(mapped)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # tensors over it still alive: unmapped when
+        mapped.close()  # they go
+
+
+class SegmentBuffer(StagingBuffer):
+    """A staging buffer whose arena is a new service segment at each reserve."""
+
+    def __init__(self, conn: Connection, mappings: Mappings) -> None:
+        super().__init__(self._allocate)
+        self._conn = conn
+        self._mappings = mappings
+        self.segment: int | None = None
+        self._pinned: int | None = None  # the address registered with CUDA
+
+    def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        self.forget()
+        reply, fd = self._conn.request(p.Alloc, nbytes=nbytes)
+        assert isinstance(reply, p.Segment)
+        assert fd is not None
+        self.segment = reply.segment
+        mapped = self._mappings.map(fd, nbytes)
+        arena = torch.frombuffer(mapped, dtype=torch.uint8, count=max(nbytes, 1))
+        if pinned and torch.cuda.is_available():
+            _cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+            self._pinned = arena.data_ptr()
+        return arena[:nbytes] if nbytes else arena
+
+    def forget(self) -> None:
+        """Drop the arena; the segment is no longer ours (its mapping stays in
+        ``_Mappings`` for a later save that gets the same segment again)."""
+        self.drop()
+        self.segment = None
+        if self._pinned is not None:
+            _cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+
+
+def _cudart() -> Any:
+    """The CUDA runtime, to page-lock a segment for CUDA sources (cudaHostRegister) so
+    their copies stay DMA, and to unlock it before it is unmapped."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
