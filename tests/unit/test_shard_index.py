@@ -58,18 +58,32 @@ def manifest(indexes: dict[int, bytes], *, schema: int | None = None) -> Manifes
 
 
 class Source:
-    """The step's reader as ShardIndexes reads through it, with the index bytes in memory."""
+    """The step's reader as ShardIndexes reads through it, with the index bytes in memory
+    (``store.read_into_sized``), its digest check and its error for a vanished file."""
 
     def __init__(self, manifest: Manifest, data: dict[str, bytes]) -> None:
         self.where = "test"
+        self.folder = "000000000001"
         self.manifest = manifest
         self.files = {f.path: f for f in manifest.files}
         self.data = data
         self.read: list[str] = []
+        self.store = self
 
-    def read_small(self, name: str) -> bytes:
+    def read_into_sized(self, path: str, buffer: memoryview, offset: int = 0) -> int:
+        name = path.removeprefix(f"{self.folder}/")
         self.read.append(name)
-        return self.data[name]
+        data = self.data[name]
+        if len(buffer) <= len(data):
+            buffer[:] = data[offset : offset + len(buffer)]
+        return len(data)
+
+    def check_digest(self, name: str, actual: int) -> None:
+        if actual != self.files[name].crc32c:
+            raise CorruptCheckpointError(f"{name}: CRC32C {actual:08x}")
+
+    def vanished(self, name: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{name} is missing")
 
 
 def quarters() -> dict[int, bytes]:
@@ -150,10 +164,18 @@ def test_damaged_or_inconsistent_indexes_are_refused() -> None:
     lost = {**quarters(), 2: index(2)}  # rank 2's index holds none of its rows
     with pytest.raises(CorruptCheckpointError, match="do not cover the box"):
         ShardIndexes(reader(lost)).sharded("m", "w", stored, ((4, 0), (2, 6)))
-    not_json = reader(quarters())
-    not_json.data["shards.t.rank0.json"] = b"{not json"
+    damaged = reader(quarters())
+    flipped = bytearray(damaged.data["shards.t.rank0.json"])
+    flipped[len(flipped) // 2] ^= 1
+    damaged.data["shards.t.rank0.json"] = bytes(flipped)
+    damaged.data["shards.t.rank1.json"] = damaged.data["shards.t.rank1.json"][:-1]
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):  # checked, verify or not
+        ShardIndexes(damaged).sharded("m", "w", stored, ((0, 0), (2, 6)))
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest's"):
+        ShardIndexes(damaged).sharded("m", "w", stored, ((2, 0), (2, 6)))
+    not_json = index(1, shard(2, 2, 1))[:-1] + b"!"  # a writer's bug: its own digest
     with pytest.raises(CorruptCheckpointError, match="not a shard index"):
-        ShardIndexes(not_json).sharded("m", "w", stored)
+        ShardIndexes(reader({**quarters(), 1: not_json})).sharded("m", "w", stored)
 
 
 def plan(shape: list[int], name: str = "w") -> SavePlan:

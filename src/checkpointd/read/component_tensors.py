@@ -4,7 +4,7 @@ box at a time, placed like the restore's DTensor templates. Reading thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpointd.errors import CorruptCheckpointError
@@ -13,6 +13,7 @@ from checkpointd.format.manifest import ComponentEntry, ShardedTensor
 if TYPE_CHECKING:
     import torch
 
+    from checkpointd.read.indexes import ShardIndexes
     from checkpointd.state.shards import Box
 
 __all__ = ["ComponentTensors", "Take", "TensorSource"]
@@ -31,14 +32,8 @@ class TensorSource(Protocol):
 
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
 
-    def sharded(
-        self,
-        component: str,
-        tensor: str,
-        stored: ShardedTensor,
-        box: Box | None = None,
-        near: Sequence[int] = (),
-    ) -> ShardedTensor: ...
+    @property
+    def indexes(self) -> ShardIndexes: ...
 
 
 Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
@@ -50,8 +45,8 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
     plain tensor files all at once on first use, sharded tensors one by one. ``take``:
     asked first for each sharded tensor with a template (restore's DTensor path).
-    ``component``: the component's name, under which the reader finds the shards a
-    sharded tensor keeps in shard indexes (schema 4)."""
+    A sharded tensor's shards come through the reader's shard indexes (schema 4: most
+    are in index files; read/indexes.py), those this read's box needs."""
 
     def __init__(
         self,
@@ -60,11 +55,8 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         templates: Mapping[str, Any],
         preloaded: Mapping[str, Mapping[str, torch.Tensor]],
         take: Take | None = None,
-        *,
-        component: str,
     ):
         self.reader = reader
-        self.component = component
         self.entry = entry
         self.templates = templates
         self.preloaded = preloaded
@@ -95,7 +87,8 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         if sharded is not None:  # with its shards from the indexes, those this read needs
             box = None if template is None else local_box(template)
             near = () if template is None else _holders(template)
-            sharded = self.reader.sharded(self.component, name, sharded, box, near)
+            component = self.reader.indexes.component_of(self.entry)
+            sharded = self.reader.indexes.sharded(component, name, sharded, box, near)
         if template is None:
             if sharded is None:
                 return self.plain()[name]

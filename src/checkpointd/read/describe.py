@@ -56,7 +56,7 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
             )
         rank_of = {f.path: f.rank for f in manifest.files}
         for tensor, stored in entry.sharded.items():
-            sharded = reader.sharded(name, tensor, stored)
+            sharded = reader.indexes.sharded(name, tensor, stored)
             elements = sum(math.prod(s.shape) for s in sharded.shards)
             shown, itemsize = _dtype(sharded.dtype)
             tensors.append(

@@ -21,13 +21,22 @@ import threading
 from typing import TYPE_CHECKING, Protocol
 
 from checkpointd import tunables
-from checkpointd.errors import CorruptCheckpointError
-from checkpointd.format.manifest import FileEntry, Manifest, ShardedTensor, ShardEntry
+from checkpointd.errors import CheckpointError, CorruptCheckpointError, StorageNotFoundError
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.manifest import (
+    ComponentEntry,
+    FileEntry,
+    Manifest,
+    ShardedTensor,
+    ShardEntry,
+)
 from checkpointd.format.manifest_checks import shard_problem
 from checkpointd.format.shard_index import ShardIndex, decode_index
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
+
+    from checkpointd.storage import Store
 
 __all__ = ["ShardIndexes"]
 
@@ -35,7 +44,8 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 class IndexSource(Protocol):
-    """What the indexes are read through: the step's reader (reader.StepReader)."""
+    """What the indexes are read through: the step's reader (reader.StepReader), which
+    makes the ShardIndexes, so this module does not import it back."""
 
     @property
     def where(self) -> str: ...
@@ -46,7 +56,15 @@ class IndexSource(Protocol):
     @property
     def files(self) -> Mapping[str, FileEntry]: ...
 
-    def read_small(self, name: str) -> bytes: ...
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def folder(self) -> str: ...
+
+    def check_digest(self, name: str, actual: int) -> None: ...
+
+    def vanished(self, name: str) -> CheckpointError: ...
 
 
 class ShardIndexes:
@@ -58,6 +76,14 @@ class ShardIndexes:
         self._by_rank = {reader.files[n].rank: n for n in self.names}
         self._loaded: dict[str, ShardIndex] = {}
         self._lock = threading.Lock()
+        self._components: dict[str, str] | None = None
+
+    def component_of(self, entry: ComponentEntry) -> str:
+        """The name of the manifest's component ``entry`` (by its tree file, one per
+        component), under which the indexes hold its shards."""
+        if self._components is None:
+            self._components = {e.tree: n for n, e in self.reader.manifest.components.items()}
+        return self._components.get(entry.tree, "")
 
     @property
     def loaded(self) -> int:
@@ -143,9 +169,7 @@ class ShardIndexes:
         where = f"{self.reader.where}/{name}"
         entry = self.reader.files[name]
         manifest = self.reader.manifest
-        index = decode_index(
-            self.reader.read_small(name), step=manifest.step, rank=entry.rank, where=where
-        )
+        index = decode_index(self.read(name), step=manifest.step, rank=entry.rank, where=where)
         files = set(self.reader.files)
         blobs = {b.name for b in manifest.blobs}
         for component, tensors in index.components.items():
@@ -165,6 +189,23 @@ class ShardIndexes:
                         f"{where}: {component}/{tensor} has a shard in another rank's file"
                     )
         return index
+
+    def read(self, name: str) -> bytes:
+        """Listed file ``name`` (an index) as bytes, its size and CRC32C checked against
+        the manifest whether or not the reader verifies (an index is small)."""
+        data = bytearray(self.reader.files[name].size)
+        try:
+            size = self.reader.store.read_into_sized(
+                f"{self.reader.folder}/{name}", memoryview(data)
+            )
+        except StorageNotFoundError:
+            raise self.reader.vanished(name) from None
+        if size != len(data):
+            raise CorruptCheckpointError(
+                f"{self.reader.where}/{name}: size {size} does not match the manifest's {len(data)}"
+            )
+        self.reader.check_digest(name, crc32c(data))
+        return bytes(data)
 
     def _shards_of(self, names: list[str], component: str, tensor: str) -> list[ShardEntry]:
         with self._lock:

@@ -1,17 +1,16 @@
 """Reading the files of one committed step: the one reader of the on-storage format.
 
-``StepReader`` checks a file's size against the manifest before parsing a byte
-of it, and (with ``verify``) its CRC32C; it reads tensor headers alone (inspect),
-whole tensor files (load, restore, export) and component trees; ``verify_file``
-streams a file through CRC32C with a progress callback (verify). Torch is
-imported only by the methods that build tensors, so verifying a root does not
-load it. Blocking; any thread (one StepReader may serve several threads).
+``StepReader`` checks a file's size against the manifest before parsing a byte of it, and
+(with ``verify``) its CRC32C; it reads tensor headers alone (inspect), whole tensor files
+(load, restore, export), component trees and (``indexes``) shard index files; ``verify_file``
+streams a file through CRC32C with a progress callback (verify). Torch is imported only by
+the methods that build tensors, so verifying a root does not load it. Blocking; any thread.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from checkpointd import tunables
@@ -74,7 +73,7 @@ class StepReader:
         self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
         self._sized: set[str] = set()  # files whose size was checked
-        self.indexes = ShardIndexes(self)
+        self.indexes = ShardIndexes(self)  # a schema 4 step's shard entries, read when needed
 
     def _size(self, name: str) -> int:
         """The file's size after checking it against the manifest (missing: ``vanished``)."""
@@ -136,31 +135,6 @@ class StepReader:
         if self.verify:
             self.check_digest(name, crc32c(view))
         return data
-
-    def read_small(self, name: str) -> bytes:
-        """Listed file ``name`` (a small one: a shard index) as bytes, its size and CRC32C
-        checked whether or not this reader verifies."""
-        data = bytearray(self.files[name].size)
-        try:
-            self._read_sized(name, memoryview(data))
-        except StorageNotFoundError:
-            raise self.vanished(name) from None
-        self.check_digest(name, crc32c(data))
-        return bytes(data)
-
-    def sharded(
-        self,
-        component: str,
-        tensor: str,
-        stored: ShardedTensor,
-        box: Box | None = None,
-        near: Sequence[int] = (),
-    ) -> ShardedTensor:
-        """Sharded tensor ``component``/``tensor`` (the manifest's entry ``stored``) with
-        every shard (``box`` None) or those that cover ``box``, from the shard indexes
-        where the manifest has them (read/indexes.py; the indexes of ranks ``near`` are
-        looked at first); ``stored`` itself where not."""
-        return self.indexes.sharded(component, tensor, stored, box, near)
 
     def _read_sized(self, name: str, view: memoryview, offset: int = 0) -> None:
         """Fill ``view`` from ``offset`` of listed file ``name``, checking its size against
@@ -257,9 +231,7 @@ class StepReader:
         from checkpointd.format.codec import decode_tree
 
         entry = self.manifest.components[name] if entry is None else entry
-        tensors = ComponentTensors(
-            self, entry, templates or {}, preloaded or {}, take, component=name
-        )
+        tensors = ComponentTensors(self, entry, templates or {}, preloaded or {}, take)
         if tree is None:
             tree = self.tree(entry)
         return decode_tree(tree, tensors, where=f"{self.where}/{entry.tree}")
