@@ -126,8 +126,7 @@ class SimGroup(Group):
         self.token = layout.TOKEN
         self.ranks = tuple(range(world_size))
         self.join_seconds = tunables.JOIN_SECONDS
-        self._waiter = None
-        self._waiter_lock = threading.Lock()
+        self._waiter = store  # a simulated rank never waits
 
     def close(self) -> None:
         """Nothing to stop."""

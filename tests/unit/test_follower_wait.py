@@ -102,3 +102,41 @@ def test_a_follower_gives_up_on_a_publisher_whose_heartbeat_stopped(
     finally:
         publisher.close()
         follower.close()
+
+
+def test_a_wait_after_the_store_died_fails_at_once(tmp_path: Any) -> None:
+    """The wait's connection is made with the group: a first wait after the rank hosting
+    the store died fails typed at once (a connection made then would retry the connect
+    for the store's whole timeout)."""
+    import subprocess
+    import sys
+
+    from checkpointd.errors import RankFailedError
+
+    port_file = tmp_path / "port"
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "open(sys.argv[1], 'w').write(str(s.port)); time.sleep(600)",
+            str(port_file),
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        client = TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False)
+        follower = Group(PrefixStore("w/", client), 1, 2, "t", join_seconds=60, heartbeat=False)
+        host.kill()
+        host.wait()
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="store is unreachable"):
+            Attempt(follower, 9, 0).wait("outcome", 5.0)
+        assert time.monotonic() - started < 5
+    finally:
+        host.kill()
+        host.wait()
