@@ -9,10 +9,15 @@ Same state, interleaved repetitions, medians and ratios:
   default priority (niceness 10, I/O best effort 7) and at the trainer's (``--niceness 0
   --io-priority none``), with the time until durable of each;
 - kill -9 of a trainer at random moments after ``save()`` returned: how many of those
-  checkpoints committed, each checked bit-exact.
+  checkpoints committed, each checked bit-exact;
+- a 2-rank gloo FSDP2 job (service_rank_worker.py, a service per rank at the default
+  priority and one at the trainer's): ``save()`` blocked and time until durable,
+  in-process vs through the service, each the slowest rank's.
 
-``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 10]``
-(the default state is bench_save's 604 MB model); ``--smoke`` runs a tiny version.
+``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 10]
+[--fsdp2-mb 64]`` (the default state is bench_save's 604 MB model; the FSDP2 job's
+parameters are MB megabytes, its state with AdamW three times that; 0 skips it);
+``--smoke`` runs a tiny version.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from benchmarks.common import (
     transformer,
     work_dir,
 )
+from benchmarks.service_rank_worker import fsdp2_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,7 +206,9 @@ def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: 
         shutil.rmtree(plain, ignore_errors=True)
 
 
-def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[str, Any]:
+def run(
+    layers: int, width: int, reps: int, kills: int, folder: Path, *, fsdp2_mb: float = 0
+) -> dict[str, Any]:
     model = transformer(layers, width)
     state = {"model": model}
     nbytes = nbytes_of(state)
@@ -245,6 +253,11 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
         for trial in range(kills):
             r, c = _kill_trial(socket, str(folder / f"kill{trial}"), numel, chance)
             returned, committed = returned + r, committed + c
+        fsdp2_bytes = 0
+        if fsdp2_mb > 0:
+            fsdp2_bytes = fsdp2_rows(
+                folder, fsdp2_mb, reps, table, start_service=_start_service, env=_env()
+            )
     finally:
         service.terminate()
         service.wait(60)
@@ -270,6 +283,18 @@ def run(layers: int, width: int, reps: int, kills: int, folder: Path) -> dict[st
             ),
         },
         "kill9": {"trainers": kills, "returned": returned, "committed_bit_exact": committed},
+        "fsdp2": {}
+        if fsdp2_mb <= 0
+        else {
+            "state_bytes": fsdp2_bytes,
+            **{
+                f"{measure} {kind}/inproc": table.ratio(
+                    f"fsdp2.{kind}.{measure}", f"fsdp2.inproc.{measure}"
+                )
+                for measure in ("blocked", "durable")
+                for kind in ("service", "service_nice0")
+            },
+        },
         "table": table,
     }
 
@@ -298,6 +323,16 @@ def report(results: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<28} {fmt_seconds(table[name])}")
     for name, value in results["ratios"].items():
         lines.append(f"  {name:<44} {value:.2f}x")
+    if results["fsdp2"]:
+        fsdp2 = results["fsdp2"]
+        lines.append(f"  2-rank FSDP2 job, state {fsdp2['state_bytes'] / 1e6:.0f} MB:")
+        for name in ("inproc", "service", "service_nice0"):
+            for kind in ("firstblocked", "blocked", "firstdurable", "durable"):
+                series = f"fsdp2.{name}.{kind}"
+                lines.append(f"    {series:<32} {fmt_seconds(table[series])}")
+        for name, value in fsdp2.items():
+            if name != "state_bytes":
+                lines.append(f"    fsdp2 {name:<38} {value:.2f}x")
     kill = results["kill9"]
     lines.append(
         f"  kill -9 after save() returned: {kill['committed_bit_exact']} of {kill['returned']} "
@@ -312,15 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--kills", type=int, default=10, help="trainers killed -9 (default 10)")
+    parser.add_argument(
+        "--fsdp2-mb", type=float, default=64, help="FSDP2 job's parameter MB (0: skip it)"
+    )
     parser.add_argument("--dir", help="folder to write in (default $CHECKPOINTD_BENCH_DIR or /tmp)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="a tiny state, 2 reps, 1 kill")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.layers, args.width, args.reps, args.kills = 1, 64, 2, 1
+        args.layers, args.width, args.reps, args.kills, args.fsdp2_mb = 1, 64, 2, 1, 1
     parent = pick_folder(args.dir, 0)
     with work_dir(parent, "service") as folder:
-        results = run(args.layers, args.width, args.reps, args.kills, folder)
+        results = run(
+            args.layers, args.width, args.reps, args.kills, folder, fsdp2_mb=args.fsdp2_mb
+        )
     print("\n".join(report(results)))
     if args.json:
         shown = {k: v for k, v in results.items() if k != "table"}

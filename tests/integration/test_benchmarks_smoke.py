@@ -117,15 +117,18 @@ def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "checkpointd / torch" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)  # with a 2-rank FSDP2 job and four more services
 def test_service_benchmark_smoke(tmp_path: Path) -> None:
     from benchmarks import bench_service
 
     out = tmp_path / "service.json"
     assert bench_service.main(["--smoke", "--dir", str(tmp_path), "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    for name in ("inproc.blocked", "service.blocked", "service.durable", "restore.memory"):
+    series = ("inproc.blocked", "service.blocked", "service.durable", "restore.memory")
+    series += ("fsdp2.inproc.blocked", "fsdp2.service.blocked", "fsdp2.service.durable")
+    for name in series:
         assert results["series"][name]["median"] > 0, name
+    assert results["fsdp2"]["durable service/inproc"] > 0
     kill = results["kill9"]
     assert kill["returned"] >= 1
     assert kill["committed_bit_exact"] == kill["returned"]

@@ -1,5 +1,5 @@
 """A restore from S3 (moto over HTTP) makes O(files) requests, counted as the S3 calls
-s3fs sends: the step listing, the manifest (HEAD and GET), then one ranged GET per
+sent through s3fs and through the store's sync client (``SyncS3.once``): the step listing, the manifest (HEAD and GET), then one ranged GET per
 ``S3_READ_PART_BYTES`` of each file it needs; no HEAD of a file whose size the manifest
 gives (each GET's Content-Range carries it). Long files go as concurrent ranged GETs,
 at most ``S3_READ_PARALLEL`` in flight."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import checkpointd
 from checkpointd import tunables
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
+from checkpointd.storage.s3client import SyncS3
 from tests.conftest import Root
 
 
@@ -30,23 +32,42 @@ def _state(width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 class _Calls:
-    """Counts s3fs's S3 calls by operation, and the most GETs in flight at once."""
+    """Counts the S3 calls sent (through s3fs and the sync client) by operation, and the
+    most in flight at once."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.made: collections.Counter[str] = collections.Counter()
         self.in_flight = self.peak = 0
+        self._lock = threading.Lock()
         original = s3fs.S3FileSystem._call_s3  # noqa: SLF001 - counts the calls s3fs sends
+        original_once = SyncS3.once
 
         async def counted(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-            self.made[method] += 1
-            self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
+            self._start(method)
             try:
                 return await original(fs, method, *args, **kwargs)
             finally:
-                self.in_flight -= 1
+                self._end()
+
+        def counted_once(client: SyncS3, method: str, **kwargs: Any) -> Any:
+            self._start(method)
+            try:
+                return original_once(client, method, **kwargs)
+            finally:
+                self._end()
 
         monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+        monkeypatch.setattr(SyncS3, "once", counted_once)
+
+    def _start(self, method: str) -> None:
+        with self._lock:
+            self.made[method] += 1
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+
+    def _end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
 
 def _save(root: Root, width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

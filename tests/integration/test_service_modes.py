@@ -127,6 +127,27 @@ def test_overlapped_staging_through_the_service(
     assert files_by_component(tmp_path / "svc", 1) == files_by_component(tmp_path / "inproc", 1)
 
 
+def test_closing_the_writer_waits_for_an_overlapped_copy_to_be_handed_over(
+    service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = _trained()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    held = _HeldCopies(monkeypatch)
+    root = str(tmp_path)
+    writer = checkpointd.CheckpointWriter(root, service=service.socket, staging="overlapped")
+    handle = writer.save(1, {"model": model, "optimizer": optimizer})
+    opener = threading.Timer(0.5, held.opened.set)
+    opener.start()
+    try:
+        writer.close()  # while the copy is held: the save is not the service's yet
+    finally:
+        opener.join()
+    assert handle.result(0).step == 1
+    loaded = checkpointd.load(root, 1).state["model"]
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 def test_a_failed_overlapped_copy_fails_the_handle_and_frees_the_segment(
     service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

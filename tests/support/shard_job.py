@@ -17,8 +17,10 @@ WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
 save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
 CHECKPOINTD_TEST_SHARD_INDEX=1 (shard entries in shard index files whatever the job's
-size: tunables.SHARD_INDEX_MIN_ENTRIES 0). Reports also carry
-``shard_bytes_read``: distinct bytes this rank read from shard files, and
+size: tunables.SHARD_INDEX_MIN_ENTRIES 0), CHECKPOINTD_TEST_SERVICES (comma-separated
+socket paths: rank R saves through the checkpoint service at the R-th; its store is then
+the job's TCP store, hosted by rank 0's process as tcp:// init hosts it). Reports also
+carry ``shard_bytes_read``: distinct bytes this rank read from shard files, and
 ``indexes_read``: the shard index files it read.
 """
 
@@ -172,8 +174,12 @@ def main() -> None:
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
             incremental = os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1"
+            services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
             with checkpointd.CheckpointWriter(
-                root, storage_options=options, incremental=incremental
+                root,
+                storage_options=options,
+                incremental=incremental,
+                service=services.split(",")[rank] if services else None,
             ) as writer:
                 started = time.perf_counter()
                 handle = writer.save(

@@ -42,6 +42,7 @@ __all__ = [
     "OpenWriter",
     "ProtocolError",
     "Segment",
+    "ShardDesc",
     "SnapshotDesc",
     "Status",
     "StatusReply",
@@ -114,14 +115,31 @@ class EntryDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     end: int
 
 
+class ShardDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DTensor of a component (``storable.CapturedShard``): its global shape, where
+    this rank's shard sits in it, and whether this rank writes it."""
+
+    name: str
+    dtype: str  # the safetensors dtype code
+    shape: list[int]
+    offsets: list[int]
+    local_shape: list[int]
+    written: bool
+
+
 class ComponentDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One captured component: its encoded tree and where its tensors are in the segment."""
+    """One captured component: its encoded tree and where its tensors are in the segment;
+    its DTensors and the region of the shards this rank writes (``shard_entries``)."""
 
     name: str
     tree: bytes
     entries: list[EntryDesc]
     offset: int
     nbytes: int
+    shards: list[ShardDesc] = msgspec.field(default_factory=list)
+    shard_entries: list[EntryDesc] = msgspec.field(default_factory=list)
+    shard_offset: int = 0
+    shard_nbytes: int = 0
 
 
 class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -126,6 +126,7 @@ class RemoteService:
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
         self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
+        self._staging: set[SaveHandle] = set()  # overlapped saves not yet handed over
         self._mappings = Mappings()
         conn.on_event = self._event
         conn.on_lost = self._lost
@@ -153,11 +154,14 @@ class RemoteService:
         await self._stopped.wait()
 
     async def stop(self) -> None:
-        """Wait until every accepted save resolved, then end ``run``."""
+        """Wait until every overlapped save still copying was handed over and every
+        accepted save resolved, then end ``run`` (the connection and the mappings the
+        copies write into stay open until then)."""
         # Handles resolve on the connection's reader thread: polled, cancellable.
         while True:
             with self._lock:
                 pending = [h for h in self._saves.values() if not h.done()]
+                pending += self._staging
             if not pending:
                 break
             await anyio.sleep(0.01)
@@ -188,10 +192,14 @@ class RemoteService:
         save counts as staged (saves stage one at a time, so they are sent in order);
         then this returns at once."""
         staging = handle.staging
+        with self._lock:
+            self._staging.add(handle)
         if staging is not None and staging.hand_over(
             lambda error: self._hand_over(snapshot, handle, error)
         ):
             return
+        with self._lock:
+            self._staging.discard(handle)
         if staging is None:
             await anyio.to_thread.run_sync(self._send, snapshot, handle)
         else:  # the copy has already ended: as at its end
@@ -211,6 +219,9 @@ class RemoteService:
         except Exception as exc:
             self.failures.add(exc)
             handle.resolve(None, exc)
+        finally:
+            with self._lock:
+                self._staging.discard(handle)
 
     def _abandon(self, snapshot: Snapshot, error: StagingError) -> None:
         """With ranks, a failed copy abandons the attempt on every rank (they fail at once)."""

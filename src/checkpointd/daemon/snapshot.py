@@ -27,37 +27,54 @@ from checkpointd.format.layout import (
     tree_file_name,
 )
 from checkpointd.read.catalog import read_manifest
-from checkpointd.write.capture import CapturedComponent, StagingBuffer
+from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.loop import WriteService
 from checkpointd.write.plan import Snapshot, WriteFile, plan_snapshot
 
 from . import protocol as p
 from .memtier import HeldCheckpoint
-from .protocol import ComponentDesc, EntryDesc, ProtocolError, SnapshotDesc
+from .protocol import ComponentDesc, EntryDesc, ProtocolError, ShardDesc, SnapshotDesc
 from .shm import MappedSegment
 
 __all__ = ["describe", "held_checkpoint", "rebuild"]
 
 
 def describe(snapshot: Snapshot) -> SnapshotDesc:
-    """The description of a captured ``snapshot`` (caller thread, inside ``save()``).
+    """The description of a captured ``snapshot`` (caller thread, inside ``save()``):
+    everything the plan reads of it, DTensor shards included, but the segment's bytes.
 
-    UnsupportedValueError for what the service cannot write yet (DTensor shards,
-    incremental references)."""
+    UnsupportedValueError for incremental references (the trainer's capture never makes
+    them: the service's writer finds unchanged tensors itself)."""
     components: list[ComponentDesc] = []
     for component in snapshot.components:
-        if component.shards or component.blobs:
+        if component.blobs:
             raise UnsupportedValueError(
-                f"component {component.name!r} holds DTensor shards or incremental references: "
-                "the checkpoint service does not write those yet (use service=None)"
+                f"component {component.name!r} holds incremental references: the checkpoint "
+                "service finds unchanged tensors itself (use service=None)"
             )
-        entries = [
-            EntryDesc(e.name, encode_dtype(e.dtype, "code"), list(e.shape), e.begin, e.end)
-            for e in component.entries
+        shards = [
+            ShardDesc(
+                s.name,
+                encode_dtype(s.dtype, "code"),
+                list(s.shape),
+                list(s.offsets),
+                list(s.local_shape),
+                s.written,
+            )
+            for s in component.shards
         ]
-        tree = encode_tree(component.tree)
         components.append(
-            ComponentDesc(component.name, tree, entries, component.offset, component.nbytes)
+            ComponentDesc(
+                component.name,
+                encode_tree(component.tree),
+                [_entry_desc(e) for e in component.entries],
+                component.offset,
+                component.nbytes,
+                shards,
+                [_entry_desc(e) for e in component.shard_entries],
+                component.shard_offset,
+                component.shard_nbytes,
+            )
         )
     return SnapshotDesc(
         step=snapshot.step,
@@ -69,6 +86,12 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         per_rank=snapshot.per_rank,
         attempt=snapshot.attempt,
         rank=snapshot.rank,
+    )
+
+
+def _entry_desc(entry: TensorEntry) -> EntryDesc:
+    return EntryDesc(
+        entry.name, encode_dtype(entry.dtype, "code"), list(entry.shape), entry.begin, entry.end
     )
 
 
@@ -88,14 +111,24 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
         if comp.name in seen:
             raise ProtocolError(f"component {comp.name!r} is described twice")
         seen.add(comp.name)
-        if not 0 <= comp.offset <= comp.offset + comp.nbytes <= size or comp.nbytes < 0:
-            raise ProtocolError(
-                f"component {comp.name!r} spans bytes {comp.offset}..{comp.offset + comp.nbytes}"
-                f" of a {size}-byte segment"
-            )
-        entries = [_entry(e, comp) for e in comp.entries]
+        _region(comp.name, "data", comp.offset, comp.nbytes, size)
+        _region(comp.name, "shard", comp.shard_offset, comp.shard_nbytes, size)
+        entries = [_entry(e, comp.name, comp.nbytes) for e in comp.entries]
+        shards = _shards(comp)
+        shard_entries = [_entry(e, comp.name, comp.shard_nbytes) for e in comp.shard_entries]
+        _check_written(comp.name, shards, shard_entries)
         components.append(
-            CapturedComponent(comp.name, msgspec.Raw(comp.tree), entries, comp.offset, comp.nbytes)
+            CapturedComponent(
+                comp.name,
+                msgspec.Raw(comp.tree),
+                entries,
+                comp.offset,
+                comp.nbytes,
+                shards,
+                shard_entries,
+                comp.shard_offset,
+                comp.shard_nbytes,
+            )
         )
     try:
         return Snapshot(
@@ -114,18 +147,80 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
         raise ProtocolError(str(exc)) from None
 
 
-def _entry(entry: EntryDesc, comp: ComponentDesc) -> TensorEntry:
-    dtype = decode_dtype(entry.dtype)
+def _region(component: str, what: str, offset: int, nbytes: int, size: int) -> None:
+    if nbytes < 0 or not 0 <= offset <= offset + nbytes <= size:
+        raise ProtocolError(
+            f"the {what} region of component {component!r} spans bytes {offset}.."
+            f"{offset + nbytes} of a {size}-byte segment"
+        )
+
+
+def _dtype(code: str, name: str) -> torch.dtype:
+    dtype = decode_dtype(code)
     if dtype is None:
-        raise ProtocolError(f"tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
+        raise ProtocolError(f"tensor {name!r} has unknown dtype {code!r}")
+    return dtype
+
+
+def _entry(entry: EntryDesc, component: str, nbytes: int) -> TensorEntry:
+    """The tensor entry ``entry`` describes, checked to lie in its region of ``nbytes``."""
+    dtype = _dtype(entry.dtype, entry.name)
     if any(d < 0 for d in entry.shape):
         raise ProtocolError(f"tensor {entry.name!r} has a negative dimension")
     expected = math.prod(entry.shape) * dtype.itemsize
-    if not 0 <= entry.begin <= entry.end <= comp.nbytes or entry.end - entry.begin != expected:
+    if not 0 <= entry.begin <= entry.end <= nbytes or entry.end - entry.begin != expected:
         raise ProtocolError(
-            f"tensor {entry.name!r} of component {comp.name!r} does not fit its data region"
+            f"tensor {entry.name!r} of component {component!r} does not fit its region"
         )
     return TensorEntry(entry.name, dtype, tuple(entry.shape), entry.begin, entry.end)
+
+
+def _shards(comp: ComponentDesc) -> list[CapturedShard]:
+    """The component's DTensors, each shard checked to lie inside its global shape."""
+    shards: list[CapturedShard] = []
+    names: set[str] = set()
+    for s in comp.shards:
+        dims = len(s.shape)
+        if s.name in names:
+            raise ProtocolError(f"DTensor {s.name!r} of {comp.name!r} is described twice")
+        names.add(s.name)
+        if (
+            len(s.offsets) != dims
+            or len(s.local_shape) != dims
+            or not all(
+                o >= 0 and n >= 0 and o + n <= g
+                for o, n, g in zip(s.offsets, s.local_shape, s.shape, strict=True)
+            )
+        ):
+            raise ProtocolError(
+                f"DTensor {s.name!r} of {comp.name!r}: shard at {s.offsets} of shape "
+                f"{s.local_shape} does not lie inside shape {s.shape}"
+            )
+        dtype = _dtype(s.dtype, s.name)
+        shards.append(
+            CapturedShard(
+                s.name, dtype, tuple(s.shape), tuple(s.offsets), tuple(s.local_shape), s.written
+            )
+        )
+    return shards
+
+
+def _check_written(component: str, shards: list[CapturedShard], entries: list[TensorEntry]) -> None:
+    """Every shard this rank writes has exactly one entry of its dtype and local shape in
+    the shard region, and no entry names anything else (the plan relies on both)."""
+    written = {s.name: s for s in shards if s.written}
+    named = [e.name for e in entries]
+    if sorted(named) != sorted(written):
+        raise ProtocolError(
+            f"component {component!r}: the shard region's tensors do not match the DTensors "
+            "this rank writes"
+        )
+    for entry in entries:
+        shard = written[entry.name]
+        if entry.dtype != shard.dtype or entry.shape != shard.local_shape:
+            raise ProtocolError(
+                f"DTensor {entry.name!r} of {component!r}: its region holds another dtype or shape"
+            )
 
 
 def held_checkpoint(

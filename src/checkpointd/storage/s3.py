@@ -31,8 +31,9 @@ from checkpointd.errors import (
 from checkpointd.storage.base import Capabilities, FileSink, PendingUpload
 from checkpointd.storage.conditional import ConditionalCreateStore
 from checkpointd.storage.fsspec import FsspecStore, TranslatingSink, timestamp
-from checkpointd.storage.s3read import RangedReader
-from checkpointd.storage.s3upload import ParallelUploadSink, choose_part_size
+from checkpointd.storage.s3client import SyncS3
+from checkpointd.storage.s3read import RangedReader, ThreadedRangedReader
+from checkpointd.storage.s3upload import ParallelUploadSink, choose_part_size, s3fs_submit
 
 __all__ = ["S3Store", "refused_as_existing"]
 
@@ -52,12 +53,26 @@ class S3Store(ConditionalCreateStore):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         options = dict(storage_options or {})
-        if "session" not in options and "profile" not in options:
+        own_session = "session" not in options
+        if own_session and "profile" not in options:
             # botocore's service model is parsed once per session: a store per restore
             # would otherwise pay that (0.2-0.8 s) before its first request.
             options["session"] = _shared_session()
         super().__init__(url, options)
-        self._ranged = RangedReader(self.fs, tunables.S3_READ_PART_BYTES, tunables.S3_READ_PARALLEL)
+        # Bulk transfers through a sync client where s3fs's settings map onto one
+        # (s3client.py); a caller's own aiobotocore session stays s3fs's alone.
+        threads = max(
+            tunables.S3_READ_PARALLEL, self.parallel_parts * tunables.DEFAULT_MAX_CONCURRENCY
+        )
+        self._sync = SyncS3.build(self.fs, threads) if own_session else None
+        self._ranged: RangedReader | ThreadedRangedReader
+        if self._sync is None:
+            part, limit = tunables.S3_READ_PART_BYTES, tunables.S3_READ_PARALLEL
+            self._ranged = RangedReader(self.fs, part, limit)
+        else:
+            self._ranged = ThreadedRangedReader(
+                self._sync, self.fs, tunables.S3_READ_PART_BYTES, tunables.S3_READ_PARALLEL
+            )
         self._start_probing()
         with self._translating("open", url):
             self._check_bucket()
@@ -111,6 +126,8 @@ class S3Store(ConditionalCreateStore):
         """As ``read_into``, the size taken from the GETs' Content-Range: no HEAD."""
         target = self._abs(path)
         with self._translating("read", target):
+            if isinstance(self._ranged, ThreadedRangedReader):
+                return self._ranged.read_ranges(target, buffer, offset)
             size: int = fsspec.asyn.sync(
                 self.fs.loop, self._ranged.read_ranges, target, buffer, offset
             )
@@ -119,10 +136,21 @@ class S3Store(ConditionalCreateStore):
     def open_file(self, path: str, size: int | None = None) -> FileSink:
         target = self._abs(path)
         part_size = choose_part_size(size, self.block_size)
+        bucket, key, _ = self.fs.split_path(target)
         sink = ParallelUploadSink(
-            self.fs, target, part_size=part_size, max_parallel=self.parallel_parts
+            s3fs_submit(self.fs) if self._sync is None else self._sync.submit,
+            bucket,
+            key,
+            part_size=part_size,
+            max_parallel=self.parallel_parts,
+            send_buffers=self._sync is not None,
         )
         return TranslatingSink(self._translating, sink, target)
+
+    def close(self) -> None:
+        """Close the sync client's connections (its workers finish first)."""
+        if self._sync is not None:
+            self._sync.close()
 
     def pending_uploads(self) -> list[PendingUpload]:
         """Incomplete multipart uploads whose key lies under the root."""

@@ -3,7 +3,8 @@
 s3fs's own writer uploads a file's parts one after another; one stream to S3
 (or to an S3-compatible server) is far slower than several. This sink cuts the
 bytes it is given into parts and uploads up to ``max_parallel`` of them at once
-on s3fs's event loop, holding at most that many parts in memory. ``commit``
+through ``submit`` (a sync client's workers, s3client.py, or s3fs's event loop),
+holding at most that many parts in memory, plus the one being filled. ``commit``
 completes the multipart upload (a file smaller than one part goes up as one
 PUT); ``discard`` aborts it, so a failed save never leaves an object behind.
 
@@ -17,12 +18,13 @@ import concurrent.futures
 import contextlib
 import errno
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from checkpointd.errors import StorageFullError
 from checkpointd.format.checksum import BytesLike
 
-__all__ = ["ParallelUploadSink", "choose_part_size"]
+__all__ = ["ParallelUploadSink", "Submit", "call_s3", "choose_part_size", "s3fs_submit"]
 
 MIN_PART_BYTES = 5 * 2**20
 MAX_PART_BYTES = 5 * 2**30
@@ -55,35 +57,68 @@ def call_s3(fs: Any, method: str, **kwargs: Any) -> Any:
     return fs._call_s3(method, **kwargs)  # noqa: SLF001 - s3fs has no public per-call API
 
 
-class ParallelUploadSink:
-    """Uploads ``target`` on the s3fs file system ``fs`` as parts of ``part_size`` bytes."""
+Submit = Callable[..., "concurrent.futures.Future[dict[str, Any]]"]
+"""``submit(method, **kwargs)``: start one S3 API call (retried as s3fs retries), its future."""
 
-    def __init__(self, fs: Any, target: str, *, part_size: int, max_parallel: int) -> None:
-        """``part_size`` from choose_part_size: the file must fit in MAX_PARTS of it."""
+
+def s3fs_submit(fs: Any) -> Submit:
+    """Calls through s3fs on its event loop (``call_s3``), from any thread."""
+
+    def submit(method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
+        return asyncio.run_coroutine_threadsafe(call_s3(fs, method, **kwargs), fs.loop)
+
+    return submit
+
+
+class ParallelUploadSink:
+    """Uploads object ``key`` of ``bucket`` as parts of ``part_size`` bytes."""
+
+    def __init__(
+        self,
+        submit: Submit,
+        bucket: str,
+        key: str,
+        *,
+        part_size: int,
+        max_parallel: int,
+        send_buffers: bool = False,
+    ) -> None:
+        """``part_size`` from choose_part_size: the file must fit in MAX_PARTS of it.
+        ``send_buffers``: a full part goes as its buffer, reused once sent (one copy of
+        each part); else as ``bytes`` of it (two copies: aiobotocore over aiohttp left
+        connections unclosed with a bytearray body)."""
         if not MIN_PART_BYTES <= part_size <= MAX_PART_BYTES:
             raise ValueError(f"S3 parts must hold {MIN_PART_BYTES} to {MAX_PART_BYTES} bytes")
-        self._fs = fs
-        self._bucket, self._key, _ = fs.split_path(target)
+        self._submit = submit
+        self._bucket, self._key = bucket, key
         self._part_size = part_size
-        self._buffer = bytearray()
+        self._send_buffers = send_buffers
+        self._free: list[bytearray] = []  # sent buffers, appended from done callbacks
+        self._buffer = bytearray()  # grows to a part; its bytes past _fill are stale
+        self._fill = 0
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._slots = threading.BoundedSemaphore(max_parallel)
 
     def _call(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
-        """Run one S3 call on s3fs's event loop; s3fs retries transient errors itself."""
-        coroutine = call_s3(self._fs, method, Bucket=self._bucket, Key=self._key, **kwargs)
-        return asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)
+        """Start one S3 call on this object; its future."""
+        return self._submit(method, Bucket=self._bucket, Key=self._key, **kwargs)
 
     def write(self, data: BytesLike) -> None:
         """Buffer ``data``; each full part starts uploading (blocks while max_parallel are in flight)."""
         view = memoryview(data).cast("B")
         while view:
-            take = min(len(view), self._part_size - len(self._buffer))
-            self._buffer += view[:take]
+            take = min(len(view), self._part_size - self._fill)
+            self._buffer[self._fill : self._fill + take] = view[:take]  # grows it if short
+            self._fill += take
             view = view[take:]
-            if len(self._buffer) == self._part_size:
+            if self._fill == self._part_size:
                 self._send_part()
+
+    def _filled(self) -> bytes:
+        """A copy of the buffered bytes; the buffer is empty after."""
+        data, self._fill = bytes(memoryview(self._buffer)[: self._fill]), 0
+        return data
 
     def _send_part(self) -> None:
         if len(self._parts) >= MAX_PARTS:
@@ -98,19 +133,30 @@ class ParallelUploadSink:
             if done.done() and done.exception() is not None:
                 done.result()  # fail fast: a part already failed for good
         self._slots.acquire()
-        body, self._buffer = bytes(self._buffer), bytearray()
+        whole = self._fill == self._part_size and self._send_buffers
+        body: bytes | bytearray
+        if whole:
+            body, self._fill = self._buffer, 0
+            self._buffer = self._free.pop() if self._free else bytearray()
+        else:
+            body = self._filled()
         number = len(self._parts) + 1
         future = self._call("upload_part", UploadId=self._upload_id, PartNumber=number, Body=body)
-        future.add_done_callback(lambda _: self._slots.release())
+
+        def sent(_: object, body: bytes | bytearray = body) -> None:
+            if isinstance(body, bytearray) and len(self._free) < 2:
+                self._free.append(body)  # sent: botocore holds it no more
+            self._slots.release()
+
+        future.add_done_callback(sent)
         self._parts.append(future)
 
     def commit(self) -> None:
         """Upload what is left, wait for every part, then complete: the object appears whole."""
         if self._upload_id is None:
-            self._call("put_object", Body=bytes(self._buffer)).result()
-            self._buffer = bytearray()
+            self._call("put_object", Body=self._filled()).result()
             return
-        if self._buffer:
+        if self._fill:
             self._send_part()
         parts = [
             {"PartNumber": number, "ETag": future.result()["ETag"]}
@@ -123,14 +169,16 @@ class ParallelUploadSink:
         ).result()
         self._upload_id = None
         self._parts = []
+        self._free = []
 
     def discard(self) -> None:
         """Abort the upload after its in-flight parts settle; nothing becomes visible."""
-        self._buffer = bytearray()
+        self._fill = 0
         for future in self._parts:
             with contextlib.suppress(Exception):
                 future.result()
         self._parts = []
+        self._free = []
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             with contextlib.suppress(Exception):

@@ -1,0 +1,233 @@
+"""DTensor shards through the checkpoint service: a real 2-rank gloo FSDP2 job
+(tests/support/shard_job.py) whose ranks each save through their own real
+``checkpointd serve``. The files must be byte-identical to an in-process save's,
+restore (in-process, on 2 ranks and resharded on 3) must give the state back bit for
+bit, and a save whose ``save()`` returned must commit after kill -9 of both trainers.
+Also tensor-parallel and HSDP (4 ranks: replicas write alternate shards) jobs, and
+FSDP2 to S3 (moto) through the services.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpointd
+from checkpointd import tunables
+from checkpointd.daemon.client import status
+from checkpointd.read import catalog
+from checkpointd.storage import open_store
+from tests.integration.test_sharded import check_restored, job, same
+from tests.support.launch import REPO, free_port
+from tests.support.s3 import MotoS3
+from tests.support.service import Service, child_env, socket_folder, start_service
+
+WORLD = 2
+
+# Each test runs one or two jobs of 2 to 4 rank processes beside as many services:
+# up to 100 s measured on 2 shared cores at load average 10, near the default 120 s.
+pytestmark = pytest.mark.timeout(300)
+
+
+@contextmanager
+def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
+    """One real service per rank (a "node" each), each in a socket folder of its own."""
+    folders = [socket_folder() for _ in range(world)]
+    running: list[Service] = []
+    try:
+        for folder in folders:
+            running.append(start_service(folder, gate=gate))
+        yield running
+    finally:
+        for service in running:
+            service.stop()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The same FSDP2 job saved through the services and in-process: (service root,
+    its job's output folder, in-process root)."""
+    base = tmp_path_factory.mktemp("fsdp2_service")
+    # The services plan with their own (default) shard block size: so does the trainer.
+    block = str(tunables.SHARD_BLOCK_BYTES)
+    with _services() as services:
+        sockets = ",".join(s.socket for s in services)
+        out = job(
+            "save", "fsdp2", str(base / "svc"), base / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, CHECKPOINTD_TEST_BLOCK=block,
+        )  # fmt: skip
+        assert [status(s.socket).committed for s in services] == [1, 1]
+    job(
+        "save",
+        "fsdp2",
+        str(base / "local"),
+        base / "save_local",
+        WORLD,
+        CHECKPOINTD_TEST_BLOCK=block,
+    )
+    return base / "svc", out, base / "local"
+
+
+def _token_free(root: Path, step: int) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A committed step's manifest and its files by name, with what differs from save to
+    save taken out: the attempt token (in file names), the creation time, the writer's
+    random lineage and writer ids, and the manifest's own CRC32C (over those)."""
+    folder = root / f"{step:012d}"
+    manifest = msgspec.json.decode((folder / "manifest.json").read_bytes())
+    tokens = {f["path"].split(".")[1] for f in manifest["files"]}
+    assert len(tokens) == 1, tokens
+    (token,) = tokens
+    for key in ("created_at", "lineage", "writer", "manifest_crc32c"):
+        manifest.pop(key)
+    text = re.sub(re.escape(token), "TOKEN", json.dumps(manifest, sort_keys=True))
+    files = {
+        f.name.replace(token, "TOKEN"): f.read_bytes()
+        for f in folder.iterdir()
+        if f.name != "manifest.json"
+    }
+    return json.loads(text), files
+
+
+def test_fsdp2_through_the_service_writes_the_files_an_in_process_save_writes(
+    saved: tuple[Path, Path, Path],
+) -> None:
+    svc, _, local = saved
+    svc_manifest, svc_files = _token_free(svc, 1)
+    local_manifest, local_files = _token_free(local, 1)
+    assert svc_manifest == local_manifest
+    assert svc_files.keys() == local_files.keys()
+    shard_files = [name for name in svc_files if ".rank" in name]
+    assert len(shard_files) == 2 * WORLD, sorted(svc_files)  # model and optimizer, per rank
+    for name, data in svc_files.items():
+        assert data == local_files[name], name
+    assert svc_manifest["world_size"] == WORLD
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_saved_through_the_service_restores_bit_exact(
+    saved: tuple[Path, Path, Path], world: int, tmp_path: Path
+) -> None:
+    svc, out, _ = saved
+    check_restored(out, job("restore", "fsdp2", str(svc), tmp_path / "restore", world))
+
+
+@pytest.fixture
+def job_store() -> Iterator[int]:
+    """The job's TCP store, hosted here so that it outlives the ranks (as torchrun's
+    agent hosts it); its port."""
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    yield port
+    del store
+
+
+def test_fsdp2_trainers_killed_after_save_returned_still_commit(
+    job_store: int, tmp_path: Path
+) -> None:
+    root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
+    out.mkdir()
+    steps = 2
+    # The services' writes wait for the gate: every save is in flight when the ranks die.
+    with _services(gate=str(gate)) as services:
+        procs = []
+        for rank in range(WORLD):
+            args = [services[rank].socket, str(root), str(out), str(steps)]
+            args += [str(rank), str(WORLD), str(job_store)]
+            with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.support.service_fsdp_job", *args],
+                        env=child_env(),
+                        cwd=REPO,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                    )
+                )
+        for rank, proc in enumerate(procs):
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == f"returned {steps}":
+                    break
+            else:
+                raise AssertionError((out / f"stderr{rank}.txt").read_text()[-3000:])
+        for proc in procs:  # every rank's save() of every step returned: kill them all
+            proc.send_signal(signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * WORLD
+        assert all(status(s.socket).saves_in_flight > 0 for s in services)
+        assert checkpointd.list_checkpoints(str(root)) == [] if root.is_dir() else True
+        gate.touch()
+        deadline = time.monotonic() + 120
+        while any(status(s.socket).saves_in_flight for s in services):
+            assert time.monotonic() < deadline, [s.log_text() for s in services]
+            time.sleep(0.05)
+        assert [c.step for c in checkpointd.list_checkpoints(str(root))] == list(
+            range(1, steps + 1)
+        )
+        assert all(status(s.socket).failed == 0 for s in services)
+    for step in range(1, steps + 1):
+        expected = torch.load(out / f"expected{step}.pt")
+        loaded = checkpointd.load(str(root), step)
+        same(expected["model"], loaded.state["model"])
+        same(expected["optimizer"], loaded.state["optimizer"]["state"])
+
+
+@pytest.mark.parametrize(("mode", "world"), [("tp", 2), ("hsdp", 4)])
+def test_tensor_parallel_and_hsdp_through_the_service_restore_bit_exact(
+    mode: str, world: int, tmp_path: Path
+) -> None:
+    root = str(tmp_path / "root")
+    with _services(world=world) as services:
+        sockets = ",".join(s.socket for s in services)
+        saved = job("save", mode, root, tmp_path / "save", world, CHECKPOINTD_TEST_SERVICES=sockets)
+    if mode == "hsdp":
+        manifest = catalog.read_manifest(open_store(root), 1)
+        for component in ("model", "optimizer"):
+            for name, tensor in manifest.components[component].sharded.items():
+                assert len(tensor.shards) == 2, name  # Shard(0) over 2, replicated twice
+        assert {f.rank for f in manifest.files if ".rank" in f.path} == {0, 1, 2, 3}
+    check_restored(saved, job("restore", mode, root, tmp_path / "restore", world))
+
+
+def test_fsdp2_through_the_service_to_s3_restores_resharded(
+    moto_s3: MotoS3, tmp_path: Path
+) -> None:
+    bucket = f"svc-sharded-{tmp_path.name[-16:].lower().replace('_', '-')}"
+    moto_s3.create_bucket(bucket)
+    root = f"s3://{bucket}/run"
+    options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
+    with _services() as services:
+        sockets = ",".join(s.socket for s in services)
+        saved = job(
+            "save", "fsdp2", root, tmp_path / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, **options,
+        )  # fmt: skip
+        assert [status(s.socket).committed for s in services] == [1, 1]
+    check_restored(saved, job("restore", "fsdp2", root, tmp_path / "restore", 3, **options))

@@ -1,0 +1,111 @@
+"""A snapshot with DTensor shards, described by the trainer and rebuilt by the service
+(daemon/snapshot.py): the rebuilt snapshot plans the very files the original does, and
+a description whose shards do not fit the segment or the tensor is a ProtocolError."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from checkpointd.daemon import protocol as p
+from checkpointd.daemon.snapshot import describe, rebuild
+from checkpointd.format.codec import TensorRef
+from checkpointd.format.header import TensorEntry
+from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
+from checkpointd.write.plan import Snapshot, plan_snapshot
+
+
+def _snapshot() -> tuple[Snapshot, torch.Tensor]:
+    """Rank 1's snapshot of a component with a plain tensor and two DTensors: rows 3..5
+    of a (6, 4) float32 it writes, and a bfloat16 it holds no part of."""
+    arena = torch.zeros(256, dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(3)
+    arena[:] = torch.randint(0, 256, (256,), dtype=torch.uint8, generator=generator)
+    component = CapturedComponent(
+        "model",
+        {"b": TensorRef("b"), "p": TensorRef("p"), "q": TensorRef("q"), "lr": 0.5},
+        [TensorEntry("b", torch.float32, (2,), 0, 8)],
+        0,
+        8,
+        [
+            CapturedShard("p", torch.float32, (6, 4), (3, 0), (3, 4), True),
+            CapturedShard("q", torch.bfloat16, (5,), (5,), (0,), False),
+        ],
+        [TensorEntry("p", torch.float32, (3, 4), 0, 48)],
+        64,
+        48,
+    )
+    created = datetime(2026, 1, 2, tzinfo=UTC)
+    snapshot = Snapshot(1, [component], StagingBuffer.over(arena), created, {}, {}, rank=1)
+    return snapshot, arena
+
+
+def _over_the_wire(desc: p.SnapshotDesc) -> p.SnapshotDesc:
+    message = p.decode(p.encode(p.Submit(1, writer=1, segment=1, snapshot=desc))[4:])
+    assert isinstance(message, p.Submit)
+    return message.snapshot
+
+
+def _files(snapshot: Snapshot) -> dict[str, bytes]:
+    plan = plan_snapshot(snapshot, "tok", world_size=2)
+    return {f.name: b"".join(bytes(part) for part in f.parts) for f in plan.files}
+
+
+def test_a_rebuilt_sharded_snapshot_plans_the_same_files_and_entries() -> None:
+    snapshot, arena = _snapshot()
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    (component,) = rebuilt.components
+    assert component.shards == snapshot.components[0].shards
+    assert component.shard_entries == snapshot.components[0].shard_entries
+    original, again = (
+        plan_snapshot(snapshot, "tok", world_size=2),
+        plan_snapshot(rebuilt, "tok", world_size=2),
+    )
+    assert original.components == again.components
+    assert _files(snapshot) == _files(rebuilt)
+    assert "model.tok.rank1.safetensors" in _files(rebuilt)
+    assert rebuilt.rank == 1
+
+
+def _component(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
+    (component,) = desc.components
+    return msgspec.structs.replace(desc, components=[msgspec.structs.replace(component, **changes)])
+
+
+def _shard(desc: p.SnapshotDesc, index: int, **changes: Any) -> p.SnapshotDesc:
+    shards = list(desc.components[0].shards)
+    shards[index] = msgspec.structs.replace(shards[index], **changes)
+    return _component(desc, shards=shards)
+
+
+HOSTILE = {
+    "shard region past the segment": lambda d: _component(d, shard_offset=240),
+    "negative shard region": lambda d: _component(d, shard_nbytes=-8),
+    "entry past its region": lambda d: _component(
+        d, shard_entries=[p.EntryDesc("p", "F32", [3, 4], 8, 56)]
+    ),
+    "entry of an unknown shard": lambda d: _component(
+        d, shard_entries=[p.EntryDesc("x", "F32", [3, 4], 0, 48)]
+    ),
+    "written shard without entry": lambda d: _component(d, shard_entries=[]),
+    "entry for a shard not written": lambda d: _shard(d, 0, written=False),
+    "entry of another shape": lambda d: _shard(d, 0, local_shape=[4, 3]),
+    "entry of another dtype": lambda d: _shard(d, 0, dtype="I32"),
+    "shard outside its tensor": lambda d: _shard(d, 0, offsets=[4, 0]),
+    "negative offset": lambda d: _shard(d, 1, offsets=[-1]),
+    "fewer offsets than dimensions": lambda d: _shard(d, 0, offsets=[3]),
+    "unknown dtype": lambda d: _shard(d, 1, dtype="F128"),
+    "a shard twice": lambda d: _component(d, shards=[d.components[0].shards[0]] * 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_shard_description_that_does_not_fit_is_a_protocol_error(name: str) -> None:
+    snapshot, arena = _snapshot()
+    desc = HOSTILE[name](describe(snapshot))
+    with pytest.raises(p.ProtocolError):
+        rebuild(_over_the_wire(desc), arena)
