@@ -1,7 +1,9 @@
 """Scale model of the many-rank commit: 8 to 16,384 simulated ranks on one real TCPStore.
 
 Run: ``python -m benchmarks.bench_scale`` (the sweep, minutes) or ``--quick`` (3 rank
-counts, seconds; ``--unchunked`` posts every store value in one piece, as before). Per rank count and layout (``scale_layout``: Llama-3-70B with AdamW
+counts, seconds; ``--unchunked`` posts every store value in one piece, as before;
+``--inline`` keeps shard entries in the manifest at any size, as before shard index
+files). Per rank count and layout (``scale_layout``: Llama-3-70B with AdamW
 state as FSDP2 over every rank, and as HSDP with shards over ``--shard-group`` ranks
 replicated over the rest), against a ``torch.distributed.TCPStore`` served by this
 process:
@@ -13,7 +15,10 @@ process:
   the store and the manifest are what is measured, not the disk);
 - then the publisher's phases once more, timed apart on the same posts: the store reads
   (``gather``), decoding the shares, the merge (``merged_manifest``),
-  ``encode_manifest`` and ``decode_manifest``.
+  ``encode_manifest`` and ``decode_manifest``;
+- a restore onto the saving layout on three ranks, through ``read.indexes.ShardIndexes``
+  (the index files it reads to find its own boxes, made on demand as their rank wrote
+  them).
 
 Store operations are counted by a wrapper around each connection (every call the
 protocol makes). Writes ``benchmarks/results/scale.json`` and ``scale.png``; prints
@@ -43,11 +48,12 @@ from torch.distributed import PrefixStore, TCPStore
 from benchmarks import scale_layout as layout
 from checkpointd import tunables
 from checkpointd.errors import CheckpointError
-from checkpointd.format.manifest import decode_manifest, encode_manifest
+from checkpointd.format.manifest import Manifest, decode_manifest, encode_manifest
 from checkpointd.ranks.attempt import Attempt, gather
 from checkpointd.ranks.commit import commit_ranked, component_digests
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import Share, merged_manifest
+from checkpointd.ranks.merge import Share, indexed, merged_manifest
+from checkpointd.read.indexes import ShardIndexes
 from checkpointd.storage.local import LocalStore
 
 RESULTS = Path(__file__).parent / "results"
@@ -57,39 +63,51 @@ STEP = 1000
 
 
 class CountingStore:
-    """A c10d store that counts the calls made on it and the value bytes moved."""
+    """A c10d store that counts the calls made on it and the value bytes moved (its
+    clones, the connection a rank waits on, count into the same)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, parent: CountingStore | None = None) -> None:
         self.store = store
+        self.parent = parent
         self.calls: Counter[str] = Counter()
         self.bytes = 0
         self._lock = threading.Lock()
 
-    def _count(self, name: str, nbytes: int = 0) -> None:
+    def count(self, name: str, nbytes: int = 0) -> None:
+        if self.parent is not None:
+            self.parent.count(name, nbytes)
+            return
         with self._lock:
             self.calls[name] += 1
             self.bytes += nbytes
 
+    def clone(self) -> CountingStore:
+        return CountingStore(self.store.clone(), self)
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        self.count("wait")
+        self.store.wait(keys, timeout)
+
     def set(self, key: str, value: bytes) -> None:
-        self._count("set", len(value))
+        self.count("set", len(value))
         self.store.set(key, value)
 
     def get(self, key: str) -> bytes:
         value: bytes = self.store.get(key)
-        self._count("get", len(value))
+        self.count("get", len(value))
         return value
 
     def check(self, keys: list[str]) -> bool:
-        self._count("check")
+        self.count("check")
         return bool(self.store.check(keys))
 
     def compare_set(self, key: str, expected: str, value: bytes) -> bytes:
-        self._count("compare_set", len(value))
+        self.count("compare_set", len(value))
         held: bytes = self.store.compare_set(key, expected, value)
         return held
 
     def add(self, key: str, amount: int) -> int:
-        self._count("add")
+        self.count("add")
         return int(self.store.add(key, amount))
 
     @property
@@ -108,6 +126,7 @@ class SimGroup(Group):
         self.token = layout.TOKEN
         self.ranks = tuple(range(world_size))
         self.join_seconds = tunables.JOIN_SECONDS
+        self._waiter = store  # a simulated rank never waits
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -122,16 +141,19 @@ def _client(port: int) -> CountingStore:
 def _post_bulk(port: int, mesh: layout.Mesh, ranks: list[int], clients: int) -> dict[str, Any]:
     """Every rank of ``ranks`` posts its digests and its share, as ``commit_ranked`` does;
     per rank the seconds and bytes of its share's post, and its store operations."""
-    digests = msgspec.json.encode(component_digests(layout.plan_of(0, mesh)))
+    plan = layout.plan_of(0, mesh)
+    digests = msgspec.json.encode(component_digests(plan))
+    with_indexes = plan if indexed(plan, mesh.world) else None
     times: list[float] = []
     sizes: list[int] = []
+    index_sizes: list[int] = []
     lock = threading.Lock()
     stores = [_client(port) for _ in range(clients)]
 
     def post(worker: int) -> None:
         store = stores[worker]
         for rank in ranks[worker::clients]:
-            share = layout.share_of(rank, mesh)
+            share = layout.share_of(rank, mesh, with_indexes)
             attempt = Attempt(SimGroup(store, rank, mesh.world), STEP, 0)
             store.store.set(f"{attempt.prefix}digest/{rank}", digests)
             before = store.bytes
@@ -141,6 +163,7 @@ def _post_bulk(port: int, mesh: layout.Mesh, ranks: list[int], clients: int) -> 
             with lock:
                 times.append(took)
                 sizes.append(store.bytes - before)
+                index_sizes.extend(f.size for f in share.files if f.path == share.index)
 
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(post, range(clients)))
@@ -151,6 +174,9 @@ def _post_bulk(port: int, mesh: layout.Mesh, ranks: list[int], clients: int) -> 
         "post_bytes_median": statistics.median(sizes),
         "post_bytes_max": max(sizes),
         "post_ops_per_rank": (ops + len(ranks)) / len(ranks),  # + the digest set, uncounted
+        "indexed": with_indexes is not None,
+        "index_bytes_median": statistics.median(index_sizes) if index_sizes else 0,
+        "index_bytes_max": max(index_sizes, default=0),
     }
 
 
@@ -227,10 +253,13 @@ def _phases(port: int, mesh: layout.Mesh) -> dict[str, Any]:
         "merge_s": merge_s,
         "encode_s": encode_s,
         "manifest_bytes": len(data),
-        "shards": sum(
+        "shards": layout.shard_count(mesh),
+        "shards_inline": sum(
             len(t.shards) for c in manifest.components.values() for t in c.sharded.values()
         ),
+        "indexes": len(manifest.shard_indexes),
     }
+    row.update(_restores(manifest, mesh))
     if row_refused is not None:
         row["decode_s"], row["refused"] = None, row_refused
         return row
@@ -239,6 +268,59 @@ def _phases(port: int, mesh: layout.Mesh) -> dict[str, Any]:
     except CheckpointError as exc:
         row["decode_s"], row["refused"] = None, str(exc)
     return row
+
+
+class _SimSource:
+    """The step's reader as read/indexes.py reads through it: the manifest of the model's
+    save and each rank's index file, made on demand as that rank wrote it."""
+
+    def __init__(self, manifest: Manifest, mesh: layout.Mesh) -> None:
+        self.where = "scale model"
+        self.folder = "000000001000"
+        self.manifest = manifest
+        self.files = {f.path: f for f in manifest.files}
+        self.mesh = mesh
+        self.bytes = 0
+        self.store = self
+
+    def read_into_sized(self, path: str, buffer: memoryview, offset: int = 0) -> int:
+        """The index file at ``path`` (this source is its own store)."""
+        data = layout.index_of(self.files[path.rsplit("/", 1)[1]].rank, self.mesh)
+        assert data is not None
+        self.bytes += len(data)
+        buffer[:] = data[offset : offset + len(buffer)]
+        return len(data)
+
+    def check_digest(self, name: str, actual: int) -> None:
+        assert actual == self.files[name].crc32c, name
+
+    def vanished(self, name: str) -> CheckpointError:
+        return CheckpointError(f"{name} vanished")
+
+
+def _restores(manifest: Manifest, mesh: layout.Mesh) -> dict[str, Any]:
+    """A restore onto the saving layout on ranks 0, the middle one and the last: the shard
+    index files each reads to find its own boxes of every sharded tensor (the most of the
+    three), their bytes, and the seconds its lookups take (``ShardIndexes.sharded``, given
+    the ranks that hold the same box, as a restore's DTensor templates tell it)."""
+    most: dict[str, Any] = {"restore_indexes": 0, "restore_index_bytes": 0, "restore_s": 0.0}
+    for rank in sorted({0, mesh.world // 2, mesh.world - 1}):
+        source = _SimSource(manifest, mesh)
+        indexes = ShardIndexes(source)
+        index = rank % mesh.shards  # the ranks holding the same box: its replicas
+        near = [rank] + [index + k * mesh.shards for k in range(mesh.replicas)]
+        start = time.perf_counter()
+        for name, entry in manifest.components.items():
+            for tensor, stored in entry.sharded.items():
+                offset, rows = layout.chunk(stored.shape[0], mesh.shards, rank % mesh.shards)
+                if rows:
+                    box = ((offset, *[0] * (len(stored.shape) - 1)), (rows, *stored.shape[1:]))
+                    indexes.sharded(name, tensor, stored, box, near)
+        took = time.perf_counter() - start
+        most["restore_indexes"] = max(most["restore_indexes"], indexes.loaded)
+        most["restore_index_bytes"] = max(most["restore_index_bytes"], source.bytes)
+        most["restore_s"] = max(most["restore_s"], took)
+    return most
 
 
 def run_case(world: int, kind: str, shard_group: int, clients: int, folder: Path) -> dict[str, Any]:
@@ -262,25 +344,31 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{row['ranks']:,}",
         row["layout"],
         f"{row['shards']:,}",
+        f"{row['shards_inline']:,}",
         f"**{mb:,.1f} refused**" if row.get("refused") else f"{mb:,.1f}",
+        f"{row['index_bytes_median'] / 1e3:,.0f}" if row["indexed"] else "-",
         f"{row['publisher_s']:.2f}",
-        f"{row['publisher_s'] / max(row['shards'], 1) * 1e6:.0f}",
+        f"{row['publisher_s'] / row['ranks'] * 1e6:,.0f}",
         f"{row['read_ops']:,}",
         f"{row['post_bytes_median'] / 1e3:,.1f}",
-        str(row["follower"]["calls"].get("get", 0)),
+        f"{row['follower']['ops']:,} ({row['follower']['calls'].get('wait', 0)})",
+        f"{row['restore_indexes']} ({row['restore_index_bytes'] / 1e3:,.0f} KB)",
     ]
 
 
 TITLES = (
     "ranks",
     "layout",
-    "shards in manifest",
+    "shard entries",
+    "in manifest",
     "manifest MB",
+    "index KB / rank",
     "publisher s",
-    "µs / shard",
+    "µs / rank",
     "publisher store reads",
     "post KB / rank",
-    "follower gets",
+    "follower store ops (waits)",
+    "indexes a restore reads",
 )
 
 
@@ -304,6 +392,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         ranks = [r["ranks"] for r in mine]
         axes[0].plot(ranks, [r["publisher_s"] for r in mine], "o-", label=kind)
         axes[1].plot(ranks, [r["manifest_bytes"] / 1e6 for r in mine], "o-", label=kind)
+        axes[1].plot(
+            ranks,
+            [r["index_bytes_median"] / 1e6 or None for r in mine],
+            "x--",
+            label=f"{kind} index / rank",
+        )
         axes[2].plot(ranks, [r["read_ops"] for r in mine], "o-", label=f"{kind} publisher")
         axes[2].plot(ranks, [r["follower_ops"] for r in mine], "x--", label=f"{kind} follower")
     axes[1].axhline(
@@ -331,6 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard-group", type=int, default=64, help="HSDP: ranks per shard group")
     parser.add_argument("--clients", type=int, default=8, help="store connections posting")
     parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="shard entries in the manifest at any size, as before shard indexes (schema 4)",
+    )
+    parser.add_argument(
         "--unchunked",
         action="store_true",
         help="post every value in one piece, as checkpointd did before ranks/values.py",
@@ -341,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.unchunked:
         tunables.STORE_VALUE_BYTES = 2**62
+    if args.inline:
+        tunables.SHARD_INDEX_MIN_ENTRIES = 2**62
     ranks = args.ranks or (QUICK if args.quick else SWEEP)
     shard_group = 8 if args.quick else args.shard_group
     rows: list[dict[str, Any]] = []

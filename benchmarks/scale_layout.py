@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from checkpointd import tunables
-from checkpointd.format.layout import shard_file_name, tensor_file_name, tree_file_name
+from checkpointd.format.checksum import crc32c
+from checkpointd.format.layout import (
+    shard_file_name,
+    shard_index_name,
+    tensor_file_name,
+    tree_file_name,
+)
 from checkpointd.format.manifest import ComponentEntry, FileEntry, ShardedTensor, ShardEntry
+from checkpointd.format.shard_index import ShardIndex, encode_index
 from checkpointd.ranks.group import rank_key
-from checkpointd.ranks.merge import Share, written_shards
+from checkpointd.ranks.merge import Share, indexed_share, written_shards
 from checkpointd.write.plan import PlannedFile, RankFile, SavePlan, WriteFile, assign_ranks
 
 TOKEN = "3f9a1c2e"
@@ -91,6 +98,17 @@ def chunk(rows: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + size, rows) - start
 
 
+def shard_count(mesh: Mesh) -> int:
+    """The shard entries the save stores (every non-empty chunk of every tensor, each
+    written once): ``chunk``'s pieces counted by rule."""
+    count = 0
+    for tensors in components().values():
+        for _, shape in tensors:
+            size = math.ceil(shape[0] / mesh.shards)
+            count += math.ceil(shape[0] / size) if size else 0
+    return count
+
+
 def _share_of_component(
     name: str,
     tensors: list[tuple[str, tuple[int, ...]]],
@@ -128,14 +146,40 @@ def _share_of_component(
     return entries, FileEntry(file, begin, rng.getrandbits(32), rank)
 
 
-def share_of(rank: int, mesh: Mesh) -> Share:
+def share_of(rank: int, mesh: Mesh, indexed: SavePlan | None = None) -> Share:
     """What rank ``rank`` posts once its files are durable, as ``ranks.commit`` makes it
-    of its plan (``plan_of``) and the entries of the files it wrote."""
+    of its plan (``plan_of``) and the entries of the files it wrote; ``indexed`` (a plan
+    of the save, any rank's): with its shard entries in its shard index file (whose entry
+    is among its files), as a job over ``tunables.SHARD_INDEX_MIN_ENTRIES`` posts it."""
     files, sharded = _rank_files(rank, mesh, everything=False)
     key = rank_key("rng", rank)
     own = {key: _rng_entry(rank)}
     entries = {name: ComponentEntry(tree="", sharded=tensors) for name, tensors in sharded.items()}
-    return Share(files, own, {key: "rng"}, written_shards(entries, {}))
+    share = Share(files, own, {key: "rng"}, written_shards(entries, {}))
+    if indexed is None:
+        return share
+    data = index_of(rank, mesh, share)
+    name = ""
+    if data is not None:
+        name = index_name(rank)
+        files.append(FileEntry(name, len(data), crc32c(data), rank))
+    return indexed_share(share, indexed, name)
+
+
+def index_name(rank: int) -> str:
+    """The name of rank ``rank``'s shard index in the model (attempt 0)."""
+    return shard_index_name(f"{TOKEN}0", rank)
+
+
+def index_of(rank: int, mesh: Mesh, share: Share | None = None) -> bytes | None:
+    """The bytes of rank ``rank``'s shard index file (``ranks.merge.shard_index``), or
+    None if it writes no shard (an HSDP replica whose shards another replica writes)."""
+    if share is None:
+        share = share_of(rank, mesh)
+    if not share.sharded:
+        return None
+    components = {c: {t: s.shards for t, s in ts.items()} for c, ts in share.sharded.items()}
+    return encode_index(ShardIndex(1000, rank, components))
 
 
 def _rng_entry(rank: int) -> ComponentEntry:

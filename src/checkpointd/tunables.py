@@ -35,8 +35,10 @@ __all__ = [
     "S3_READ_PARALLEL",
     "S3_READ_PART_BYTES",
     "SHARD_BLOCK_BYTES",
+    "SHARD_INDEX_MIN_ENTRIES",
     "STALE_SECONDS",
     "STORE_VALUE_BYTES",
+    "WAIT_SECONDS",
 ]
 
 # --- writing -----------------------------------------------------------------
@@ -109,6 +111,13 @@ SHARD_BLOCK_BYTES = 8 * 2**20
 so a restore that reads part of a shard (resharding) checks what it read; it reads
 whole blocks, at most two more than it needs per piece."""
 
+SHARD_INDEX_MIN_ENTRIES = 4096
+"""A many-rank save whose ranks x sharded tensors reach this stores each rank's shard
+entries in a shard index file of its own (schema 4), referenced from the manifest, instead
+of in the manifest (about 150 bytes an entry: 4,096 is some 600 KB). Smaller jobs keep
+them inline (schema 2 or 3: one file fewer per rank, readable by older versions); the
+70B FSDP2 job of bench_scale would pass MAX_MANIFEST_BYTES inline at about 215 ranks."""
+
 # --- limits readers enforce (part of the format) --------------------------------
 
 MAX_MANIFEST_BYTES = 64 * 2**20
@@ -161,6 +170,13 @@ a writer's ``join_seconds``."""
 POLL_SECONDS = 0.05
 """Longest pause between two looks at the store while a rank waits for the others (the
 first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
+
+WAIT_SECONDS = 5.0
+"""Longest a rank blocks in the store's ``wait`` (on a connection of its own) for a key
+another rank will set (the outcome, ``published``) before it looks at that rank's
+heartbeat again; at most a third of STALE_SECONDS is used, so a dead publisher is still
+noticed about STALE_SECONDS after it stopped. Long, since each wait that times out costs
+the store a call and logs two c10d warnings ("likely a timeout")."""
 
 STORE_VALUE_BYTES = 4 * 2**20
 """Largest value a rank sets in the job's c10d store in one piece; larger ones (a many-rank

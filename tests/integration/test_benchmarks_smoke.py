@@ -177,10 +177,23 @@ def test_scale_model_quick(tmp_path: Path) -> None:
         # every rank's post read once (check + get), every component named on both ranks
         assert row["read_ops"] == 2 * row["ranks"]
         assert row["publisher"]["components"] == row["follower"]["components"] == row["ranks"] + 2
-    # a rank's post does not grow with the job; the manifest does (it lists every shard)
-    assert fsdp[-1]["post_bytes_median"] <= fsdp[0]["post_bytes_median"]
-    assert fsdp[-1]["manifest_bytes"] > 2 * fsdp[0]["manifest_bytes"]
-    assert fsdp[-1]["manifest_bytes"] > 2 * 4 * 2**20  # the store took it in chunks
+    # 70B over 8+ ranks passes SHARD_INDEX_MIN_ENTRIES: every rank's shard entries are in
+    # its index file; the manifest lists none, and a rank's post is its checks only
+    for row in rows:
+        assert row["indexed"]
+        assert row["shards_inline"] == 0
+        assert row["shards"] > 0
+        assert row["post_bytes_median"] < 2000
+    assert [r["indexes"] for r in fsdp] == bench_scale.QUICK  # one index per rank
+    # the manifest grows with the ranks' file entries only: far less than 4x over 4x ranks
+    assert fsdp[-1]["manifest_bytes"] < 1.5 * fsdp[0]["manifest_bytes"]
+    assert fsdp[-1]["index_bytes_median"] <= fsdp[0]["index_bytes_median"]
+    # a restore onto the saving layout reads its own rank's index (HSDP: its replicas')
+    assert all(r["restore_indexes"] == 1 for r in fsdp)
+    hsdp = [r for r in rows if r["layout"].startswith("hsdp")]
+    assert [r["restore_indexes"] for r in hsdp] == [r["ranks"] // 8 for r in hsdp]
+    # followers wait in the store (one wait for the outcome, one for ``published``)
+    assert all(r["follower"]["calls"]["wait"] >= 2 for r in rows)
     assert {r["layout"] for r in rows} >= {"fsdp", "hsdp2x8"}
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
 
@@ -193,6 +206,7 @@ def test_scale_model_a_manifest_too_large_fails_the_save_on_every_rank(
     from checkpointd import tunables
 
     monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 2**20)
+    monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 2**62)  # inline, as before
     row = bench_scale.run_case(8, "fsdp", 8, 4, tmp_path)
     assert "MAX_MANIFEST_BYTES" in row["publisher_error"]
     assert row["follower_error"].startswith("RankFailedError")

@@ -86,6 +86,8 @@ def main() -> None:
     action, root, out, rank_s, world_s, port = sys.argv[1:]
     rank, world = int(rank_s), int(world_s)
     tunables.INCREMENTAL_MIN_BYTES = MIN_BLOB_BYTES
+    if os.environ.get("CHECKPOINTD_TEST_SHARD_INDEX") == "1":  # shard entries in indexes
+        tunables.SHARD_INDEX_MIN_ENTRIES = 0
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -16,10 +16,12 @@ WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
 save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
-CHECKPOINTD_TEST_SERVICES (comma-separated socket paths: rank R saves through the
-checkpoint service at the R-th; its store is then the job's TCP store, hosted by
-rank 0's process as tcp:// init hosts it). Reports also carry
-``shard_bytes_read``: distinct bytes this rank read from shard files.
+CHECKPOINTD_TEST_SHARD_INDEX=1 (shard entries in shard index files whatever the job's
+size: tunables.SHARD_INDEX_MIN_ENTRIES 0), CHECKPOINTD_TEST_SERVICES (comma-separated
+socket paths: rank R saves through the checkpoint service at the R-th; its store is then
+the job's TCP store, hosted by rank 0's process as tcp:// init hosts it). Reports also
+carry ``shard_bytes_read``: distinct bytes this rank read from shard files, and
+``indexes_read``: the shard index files it read.
 """
 
 from __future__ import annotations
@@ -101,8 +103,13 @@ def count_shard_reads(result: dict[str, Any]) -> None:
     result["shard_bytes_read"] = 0
     seen: dict[str, set[tuple[int, int]]] = {}
 
+    result["indexes_read"] = []
+
     def note(path: str, offset: int, size: int) -> None:
-        if ".rank" in path:
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith("shards.") and name not in result["indexes_read"]:
+            result["indexes_read"].append(name)
+        if ".rank" in path and path.endswith(".safetensors"):
             spans = seen.setdefault(path, set())
             spans.add((offset, offset + size))
             result["shard_bytes_read"] = sum(_union(s) for s in seen.values())
@@ -149,6 +156,8 @@ def main() -> None:
     options = json.loads(os.environ.get("CHECKPOINTD_TEST_OPTIONS", "null"))
     if "CHECKPOINTD_TEST_BLOCK" in os.environ:
         tunables.SHARD_BLOCK_BYTES = int(os.environ["CHECKPOINTD_TEST_BLOCK"])
+    if os.environ.get("CHECKPOINTD_TEST_SHARD_INDEX") == "1":
+        tunables.SHARD_INDEX_MIN_ENTRIES = 0
     if mode != "plain":
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

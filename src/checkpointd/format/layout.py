@@ -30,6 +30,7 @@ __all__ = [
     "is_temp_name",
     "parse_step_dirname",
     "shard_file_name",
+    "shard_index_name",
     "step_dirname",
     "tensor_file_name",
     "tree_file_name",
@@ -112,6 +113,11 @@ def shard_file_name(component: str, token: str, rank: int) -> str:
     """File name of the shards rank ``rank`` stores of a component's sharded tensors:
     ``C.T.rankR.safetensors``."""
     return f"{component}.{token}.rank{rank}.safetensors"
+
+
+def shard_index_name(token: str, rank: int) -> str:
+    """File name of rank ``rank``'s shard index (schema 4): ``shards.T.rankR.json``."""
+    return f"shards.{token}.rank{rank}.json"
 
 
 # --- shared blobs (incremental saves) ------------------------------------------

@@ -50,9 +50,10 @@ __all__ = [
     "too_deep",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The newest schema this version reads. A checkpoint is written with the oldest schema
-that describes it: 3 only if a shard is stored as a shared blob (``ShardEntry.blob``),
+that describes it: 4 only if its shard entries are in shard index files
+(``Manifest.shard_indexes``), which an older reader would take for missing shards; 3 if a shard is stored as a shared blob (``ShardEntry.blob``),
 which a version-2 reader would look for in the step folder; 2 if a component holds
 sharded tensors (``ComponentEntry.sharded``) or references shared blobs
 (``Manifest.blobs``), which a version-1 reader would misread; 1 otherwise."""
@@ -149,8 +150,9 @@ class SpecEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class Manifest(msgspec.Struct, frozen=True):
-    """The manifest, schema versions 1 to 3 (2 adds sharded tensors, per-rank
-    components' layout and shared blobs, 3 shards stored as blobs; see ``schema_for``)."""
+    """The manifest, schema versions 1 to 4 (2 adds sharded tensors, per-rank
+    components' layout and shared blobs, 3 shards stored as blobs, 4 shard entries in
+    index files; see ``schema_for``)."""
 
     schema_version: int
     step: int
@@ -174,6 +176,9 @@ class Manifest(msgspec.Struct, frozen=True):
 
     blobs: list[BlobEntry] = msgspec.field(default_factory=list)
     """Shared blobs the checkpoint uses (schema 2, incremental saves); see docs/format.md."""
+    shard_indexes: list[str] = msgspec.field(default_factory=list)
+    """Schema 4: the shard index files (each listed in ``files``, by rank) holding shard
+    entries of the sharded tensors besides those listed inline (format/shard_index.py)."""
 
     @property
     def nbytes(self) -> int:
@@ -191,8 +196,13 @@ class _Version(msgspec.Struct):
     format: str = FORMAT_NAME
 
 
-def schema_for(components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = ()) -> int:
-    """The schema version a manifest with these components and shared blobs is written with."""
+def schema_for(
+    components: Mapping[str, ComponentEntry], blobs: Sequence[Any] = (), indexed: bool = False
+) -> int:
+    """The schema version a manifest with these components and shared blobs (and, if
+    ``indexed``, shard index files) is written with."""
+    if indexed:
+        return 4
     entries = components.values()
     if any(shard.blob for e in entries for t in e.sharded.values() for shard in t.shards):
         return 3
@@ -279,7 +289,7 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         )
     if version.schema_version < 1:
         raise CorruptCheckpointError(f"{where}: invalid schema_version {version.schema_version}")
-    # Versions 1 to 3 decode as they are (2 and 3 only added fields with defaults).
+    # Versions 1 to 4 decode as they are (2 to 4 only added fields with defaults).
     manifest = _decode(where, lambda: msgspec.json.decode(body, type=Manifest))
     if (field := _deep_field(manifest)) is not None:
         raise CorruptCheckpointError(

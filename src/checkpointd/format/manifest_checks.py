@@ -42,9 +42,11 @@ def check_consistency(manifest: Manifest, where: str) -> None:
                     f"{where}: component {name!r} refers to unlisted file {path!r}"
                 )
     blobs = _check_blobs(manifest, where)
+    _check_indexes(manifest, listed, where)
+    whole = not manifest.shard_indexes  # else the indexes hold shards too: checked on reading
     for name, component in manifest.components.items():
         for tensor, sharded in component.sharded.items():
-            if problem := shard_problem(sharded, listed, blobs):
+            if problem := shard_problem(sharded, listed, blobs, whole=whole):
                 raise CorruptCheckpointError(f"{where}: sharded tensor {name}/{tensor}: {problem}")
             if manifest.schema_version < 3 and any(s.blob for s in sharded.shards):
                 raise CorruptCheckpointError(
@@ -57,12 +59,17 @@ def check_consistency(manifest: Manifest, where: str) -> None:
 
 
 def shard_problem(
-    sharded: ShardedTensor, files: set[str] | None = None, blobs: set[str] | None = None
+    sharded: ShardedTensor,
+    files: set[str] | None = None,
+    blobs: set[str] | None = None,
+    *,
+    whole: bool = True,
 ) -> str | None:
     """What is wrong with a sharded tensor's entry, or None: each shard must lie inside the
     global shape, list a file from ``files`` or a blob from ``blobs`` (when given; a blob
-    shard begins at 0) and a CRC32C per block, and the shards must tile the tensor
-    exactly (their volumes add up to it and no two overlap)."""
+    shard begins at 0) and a CRC32C per block, and (``whole``: these are all its shards)
+    the shards must tile the tensor exactly (their volumes add up to it and no two
+    overlap)."""
     shape = sharded.shape
     if any(d < 0 for d in shape):
         return f"negative dimension in shape {shape}"
@@ -81,6 +88,8 @@ def shard_problem(
         if shard.block_bytes <= 0 or shard.begin < 0:
             return f"shard at {shard.offsets}: invalid begin or block size"
         total += math.prod(shard.shape)
+    if not whole:
+        return None
     if total != math.prod(shape):
         return f"shards hold {total} elements, the tensor {math.prod(shape)}"
     shards = sorted((s for s in sharded.shards if math.prod(s.shape)), key=lambda s: s.offsets)
@@ -98,6 +107,20 @@ def _overlap(a: ShardEntry, b: ShardEntry) -> bool:
         ao < bo + bn and bo < ao + an
         for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True)
     )
+
+
+def _check_indexes(manifest: Manifest, listed: set[str], where: str) -> None:
+    """Refuse shard indexes that are not listed files, listed twice, or in a manifest of
+    a schema before 4."""
+    if manifest.shard_indexes and manifest.schema_version < 4:
+        raise CorruptCheckpointError(
+            f"{where}: shard indexes in a schema_version {manifest.schema_version} manifest"
+        )
+    if len(set(manifest.shard_indexes)) != len(manifest.shard_indexes):
+        raise CorruptCheckpointError(f"{where}: a shard index is listed twice")
+    for path in manifest.shard_indexes:
+        if path not in listed:
+            raise CorruptCheckpointError(f"{where}: shard index {path!r} is not a listed file")
 
 
 def _check_blobs(manifest: Manifest, where: str) -> set[str]:

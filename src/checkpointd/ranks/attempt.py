@@ -83,6 +83,7 @@ class Attempt:
     def __init__(self, group: Group, step: int, number: int) -> None:
         self.group = group
         self.step = step
+        self.number = number
         self.prefix = f"s{step}a{number}/"
         self.liveness = Liveness(group)
 
@@ -127,6 +128,13 @@ class Attempt:
     def set_once(self, name: str, value: bytes) -> bytes:
         """Set key ``name`` unless set; the value that holds."""
         return values.put(self.group.store, self._key(name), value, once=True)
+
+    @_lost_store
+    def wait(self, name: str, seconds: float) -> bytes | None:
+        """Key ``name``'s value once it is set, blocking in the store's ``wait`` for at most
+        ``seconds``; None if it is still unset then."""
+        self.group.wait(self._key(name), seconds)
+        return self.read(name)
 
     @_lost_store
     def read(self, name: str) -> bytes | None:
@@ -202,24 +210,22 @@ async def reason_to_give_up(
 
 
 async def wait_for(
-    attempt: Attempt,
-    read: Callable[[], bytes | None],
-    ranks: list[int],
-    *,
-    give_up: bool = True,
+    attempt: Attempt, name: str, ranks: list[int], *, give_up: bool = True
 ) -> bytes | None:
-    """Poll ``read`` (a key of ``attempt``) until it has a value. If ``ranks`` die or
+    """Wait until key ``name`` of ``attempt`` has a value: blocked in the store's ``wait``
+    (no polling: a wait costs the store one call per tunables.WAIT_SECONDS, whatever the
+    world size), looking at ``ranks``' heartbeats between two waits. If ``ranks`` die or
     close first: with ``give_up``, propose ``abandoned`` and return the outcome that
-    holds; else None (after one last look). Event loop."""
-    pause = tunables.POLL_SECONDS / 16
+    holds; else None (after one last look). Event loop (a cancelled wait leaves its
+    thread to end at its timeout)."""
+    seconds = min(tunables.WAIT_SECONDS, tunables.STALE_SECONDS / 3)
+    wait = functools.partial(attempt.wait, name, seconds)
     while True:
-        value = await anyio.to_thread.run_sync(read)
+        value = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
         if value is not None:
             return value
         why = await reason_to_give_up(attempt, ranks, since=None)
         if why is not None:
             if not give_up:
-                return await anyio.to_thread.run_sync(read)  # one last look
+                return await anyio.to_thread.run_sync(attempt.read, name)  # one last look
             return await anyio.to_thread.run_sync(attempt.give_up, why)
-        await anyio.sleep(pause)
-        pause = min(pause * 2, tunables.POLL_SECONDS)

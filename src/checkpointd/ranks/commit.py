@@ -27,7 +27,6 @@ nothing is published. A dead rank's files are leftovers for ``gc``.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import anyio
 import anyio.to_thread
@@ -54,7 +53,15 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import Share, Summary, merged_manifest, written_shards
+from checkpointd.ranks.merge import (
+    Share,
+    Summary,
+    indexed,
+    indexed_share,
+    merged_manifest,
+    shard_index,
+    written_shards,
+)
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
 from checkpointd.write.commit import (
@@ -216,10 +223,12 @@ async def _write_share(
     attempt.raise_if_abandoned(await anyio.to_thread.run_sync(attempt.outcome))
     await open_step(store, plan.step, limiter)
     blobs: dict[str, BlobEntry] = {}
+    sharded = written_shards(plan.components, plan.per_rank)
+    index = shard_index(plan, group, attempt.number, sharded)
     await write_files(
         store,
         plan.step,
-        plan.mine(group.rank),
+        plan.mine(group.rank) + ([] if index is None else [index]),
         limiter,
         streamed=streamed,
         committed=committed,
@@ -227,8 +236,9 @@ async def _write_share(
         blobs=blobs,
     )
     own = {key: plan.components[key] for key in plan.per_rank}
-    sharded = written_shards(plan.components, plan.per_rank)
     share = Share(committed, own, plan.per_rank, sharded, list(blobs.values()))
+    if indexed(plan, group.world_size):  # the entries are in the index: post their checks
+        share = indexed_share(share, plan, "" if index is None else index.name)
     await anyio.to_thread.run_sync(attempt.post, "files", share)
 
 
@@ -271,11 +281,9 @@ async def _follow(
     read only to stand in); RankFailedError if the attempt was abandoned or its publish
     failed."""
     publisher = [attempt.group.publisher]
-    outcome = await wait_for(attempt, attempt.outcome, publisher)
+    outcome = await wait_for(attempt, "outcome", publisher)
     attempt.raise_if_abandoned(outcome)
-    published = await wait_for(
-        attempt, functools.partial(attempt.read, "published"), publisher, give_up=False
-    )
+    published = await wait_for(attempt, "published", publisher, give_up=False)
     if published is None:  # the publisher died after the commit was decided
         posted = await anyio.to_thread.run_sync(attempt.read, "manifest")
         assert posted is not None  # posted before committed was proposed

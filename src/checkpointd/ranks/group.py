@@ -148,6 +148,7 @@ class Group:
         """Where the service finds this group (ranks/hosted.py ``HostedGroup``), for a
         service writer's group; else None."""
         self._attempts: dict[int, int] = {}
+        self._waiter = _connection(store)
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, name="checkpointd-heartbeat", daemon=True
@@ -199,6 +200,21 @@ class Group:
         """True once ``rank`` closed its writer. Blocking."""
         return bool(self.store.check([f"closed/{rank}"]))
 
+    def wait(self, key: str, seconds: float) -> bool:
+        """Block until ``key`` is set (True) or ``seconds`` passed (False), on a connection
+        of its own to the store (a TCPStore client runs one call at a time, so the
+        heartbeat must not queue behind a wait). Raises what the store raises for
+        anything but the timeout. Blocking."""
+        import datetime
+
+        try:
+            self._waiter.wait([key], datetime.timedelta(seconds=seconds))
+        except Exception as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            return False
+        return True
+
     def close(self) -> None:
         """Stop the heartbeat and say so (other ranks then know this rank left)."""
         self._stop.set()
@@ -206,6 +222,17 @@ class Group:
             self._beat.join()
         with contextlib.suppress(Exception):  # the store is gone: others see a stale heartbeat
             self.store.set(f"closed/{self.rank}", b"1")
+
+
+def _connection(store: Any) -> Any:
+    """A connection of its own to ``store`` for blocking waits (``Group.wait``), made with
+    the group, while the store is known to be up: made later, after the rank hosting the
+    store died, the connect would retry for the store's whole timeout. ``store`` itself
+    for a store that cannot clone (its waits then share its connection)."""
+    try:
+        return store.clone()
+    except Exception:
+        return store
 
 
 class Liveness:

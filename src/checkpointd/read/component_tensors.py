@@ -13,6 +13,7 @@ from checkpointd.format.manifest import ComponentEntry, ShardedTensor
 if TYPE_CHECKING:
     import torch
 
+    from checkpointd.read.indexes import ShardIndexes
     from checkpointd.state.shards import Box
 
 __all__ = ["ComponentTensors", "Take", "TensorSource"]
@@ -31,6 +32,9 @@ class TensorSource(Protocol):
 
     def region(self, name: str, sharded: ShardedTensor, box: Box) -> torch.Tensor: ...
 
+    @property
+    def indexes(self) -> ShardIndexes: ...
+
 
 Take = Callable[[str, Any, ShardedTensor], "torch.Tensor | None"]
 """(tensor name, its live DTensor template, the stored sharded tensor) -> the tensor to
@@ -40,7 +44,9 @@ hand the decoder instead of reading this rank's part into fresh memory, or None.
 class ComponentTensors(Mapping[str, "torch.Tensor"]):
     """A component's tensors by name, read when the tree decoder asks for them: the
     plain tensor files all at once on first use, sharded tensors one by one. ``take``:
-    asked first for each sharded tensor with a template (restore's DTensor path)."""
+    asked first for each sharded tensor with a template (restore's DTensor path).
+    A sharded tensor's shards come through the reader's shard indexes (schema 4: most
+    are in index files; read/indexes.py), those this read's box needs."""
 
     def __init__(
         self,
@@ -74,10 +80,15 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         return self._plain
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from checkpointd.state.shards import as_template
+        from checkpointd.state.shards import as_template, local_box
 
         sharded = self.entry.sharded.get(name)
         template = self.templates.get(name)
+        if sharded is not None:  # with its shards from the indexes, those this read needs
+            box = None if template is None else local_box(template)
+            near = () if template is None else _holders(template)
+            component = self.reader.indexes.component_of(self.entry)
+            sharded = self.reader.indexes.sharded(component, name, sharded, box, near)
         if template is None:
             if sharded is None:
                 return self.plain()[name]
@@ -100,3 +111,19 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
 
     def __len__(self) -> int:
         return len({**self.plain(), **self.entry.sharded})
+
+
+def _holders(template: Any) -> list[int]:
+    """The ranks of live DTensor ``template``'s mesh that hold the same box as this rank
+    (its replicas along the Replicate dimensions, itself first): where a checkpoint saved
+    on this layout keeps the shard index that describes this rank's box."""
+    mesh, placements = template.device_mesh, tuple(template.placements)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    where = tuple(
+        slice(None) if p.is_replicate() else coordinate[d] for d, p in enumerate(placements)
+    )
+    ranks = [int(r) for r in mesh.mesh[where].flatten().tolist()]
+    me = int(mesh.mesh[tuple(coordinate)])
+    return [me] + [r for r in ranks if r != me]

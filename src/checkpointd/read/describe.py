@@ -55,7 +55,8 @@ def describe(store: Store, step: int | None = None) -> dict[str, Any]:
                 for e in sorted(reader.header(tensor_file), key=lambda e: e.begin)
             )
         rank_of = {f.path: f.rank for f in manifest.files}
-        for tensor, sharded in entry.sharded.items():
+        for tensor, stored in entry.sharded.items():
+            sharded = reader.indexes.sharded(name, tensor, stored)
             elements = sum(math.prod(s.shape) for s in sharded.shards)
             shown, itemsize = _dtype(sharded.dtype)
             tensors.append(

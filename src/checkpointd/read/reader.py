@@ -1,11 +1,10 @@
 """Reading the files of one committed step: the one reader of the on-storage format.
 
-``StepReader`` checks a file's size against the manifest before parsing a byte
-of it, and (with ``verify``) its CRC32C; it reads tensor headers alone (inspect),
-whole tensor files (load, restore, export) and component trees; ``verify_file``
-streams a file through CRC32C with a progress callback (verify). Torch is
-imported only by the methods that build tensors, so verifying a root does not
-load it. Blocking; any thread (one StepReader may serve several threads).
+``StepReader`` checks a file's size against the manifest before parsing a byte of it, and
+(with ``verify``) its CRC32C; it reads tensor headers alone (inspect), whole tensor files
+(load, restore, export), component trees and (``indexes``) shard index files; ``verify_file``
+streams a file through CRC32C with a progress callback (verify). Torch is imported only by
+the methods that build tensors, so verifying a root does not load it. Blocking; any thread.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from checkpointd.format.manifest import (
 from checkpointd.read import catalog
 from checkpointd.read.component_tensors import ComponentTensors, Take
 from checkpointd.read.hostmem import read_checked
+from checkpointd.read.indexes import ShardIndexes
 from checkpointd.storage import Store
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class StepReader:
         self.blobs: dict[str, BlobEntry] = {b.name: b for b in manifest.blobs}
         self.verify = verify
         self._sized: set[str] = set()  # files whose size was checked
+        self.indexes = ShardIndexes(self)  # a schema 4 step's shard entries, read when needed
 
     def _size(self, name: str) -> int:
         """The file's size after checking it against the manifest (missing: ``vanished``)."""

@@ -294,15 +294,16 @@ def manifest_of(
     components: Mapping[str, ComponentEntry] | None = None,
     world_size: int = 1,
     per_rank: Mapping[str, list[str]] | None = None,
+    shard_indexes: Sequence[str] = (),
 ) -> Manifest:
     """The manifest that commits ``plan`` once ``files`` are durable: the one way a save
     makes its manifest. ``blobs``: the entries of the shared blobs it uses, each once.
-    ``components`` (default the plan's), ``world_size`` and ``per_rank`` are a many-rank
-    save's merged ones. Any thread."""
+    ``components`` (default the plan's), ``world_size``, ``per_rank`` and
+    ``shard_indexes`` (schema 4) are a many-rank save's merged ones. Any thread."""
     components = plan.components if components is None else components
     listed = sorted(blobs, key=lambda b: b.name)
     return Manifest(
-        schema_version=schema_for(components, listed),
+        schema_version=schema_for(components, listed, indexed=bool(shard_indexes)),
         step=plan.step,
         created_at=plan.created_at,
         library_version=__version__,
@@ -316,6 +317,7 @@ def manifest_of(
         writer="" if identity is None else identity.id,
         lineage="" if identity is None else identity.lineage,
         blobs=listed,
+        shard_indexes=list(shard_indexes),
     )
 
 
