@@ -172,10 +172,11 @@ POLL_SECONDS = 0.05
 first pauses are shorter, doubling up to this, so a wait that ends soon ends soon)."""
 
 WAIT_SECONDS = 5.0
-"""Longest a rank blocks in the store's ``wait`` (on a connection of its own) for a key
-another rank will set (the outcome, ``published``) before it looks at that rank's
-heartbeat again; at most a third of STALE_SECONDS is used, so a dead publisher is still
-noticed about STALE_SECONDS after it stopped. Long, since each wait that times out costs
+"""How often a rank blocked in the store's ``wait`` (on a connection of its own) for a
+key another rank will set (the outcome, ``published``) looks at that rank's heartbeat;
+at most a third of STALE_SECONDS is used, so a dead publisher is still noticed about
+STALE_SECONDS after it stopped. The wait for the outcome goes on beside the looks; the
+one for ``published`` is cut into waits this long, each of which, timing out, costs
 the store a call and logs two c10d warnings ("likely a timeout")."""
 
 STORE_VALUE_BYTES = 4 * 2**20

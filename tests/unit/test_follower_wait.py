@@ -80,6 +80,27 @@ def test_a_follower_wakes_when_the_outcome_is_set_and_does_not_poll(server: TCPS
         follower.close()
 
 
+def test_a_long_wait_for_the_outcome_logs_no_store_timeouts(
+    server: TCPStore, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Heartbeats are looked at every WAIT_SECONDS while the wait itself goes on: a wait
+    that timed out each time would print c10d's "likely a timeout" warnings to stderr
+    on every follower of every long save."""
+    monkeypatch.setattr(tunables, "WAIT_SECONDS", 0.3)
+    publisher, follower, counted = _groups(server, publisher_beats=True)
+    try:
+        decided = threading.Timer(2.0, Attempt(publisher, 6, 0).decide, [b"committed"])
+        decided.start()
+        capfd.readouterr()
+        assert anyio.run(wait_for, Attempt(follower, 6, 0), "outcome", [0]) == b"committed"
+        decided.join()
+        assert "timeout" not in capfd.readouterr().err
+        assert counted.calls["wait"] == 1, counted.calls  # looked 6 times, waited once
+    finally:
+        publisher.close()
+        follower.close()
+
+
 def test_a_follower_gives_up_on_a_publisher_whose_heartbeat_stopped(
     server: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -209,23 +209,61 @@ async def reason_to_give_up(
     return None
 
 
+_ROUND_SECONDS = 300.0
+"""Longest one blocked wait for the outcome lasts. Long: dead ranks are noticed by the
+task beside it, and each wait that times out logs two c10d warnings."""
+
+
 async def wait_for(
     attempt: Attempt, name: str, ranks: list[int], *, give_up: bool = True
 ) -> bytes | None:
     """Wait until key ``name`` of ``attempt`` has a value: blocked in the store's ``wait``
-    (no polling: a wait costs the store one call per tunables.WAIT_SECONDS, whatever the
-    world size), looking at ``ranks``' heartbeats between two waits. If ``ranks`` die or
-    close first: with ``give_up``, propose ``abandoned`` and return the outcome that
-    holds; else None (after one last look). Event loop (a cancelled wait leaves its
-    thread to end at its timeout)."""
-    seconds = min(tunables.WAIT_SECONDS, tunables.STALE_SECONDS / 3)
-    wait = functools.partial(attempt.wait, name, seconds)
+    (no polling, whatever the world size), looking at ``ranks``' heartbeats every
+    tunables.WAIT_SECONDS (at most a third of STALE_SECONDS). If ``ranks`` die or close
+    first: with ``give_up`` (the outcome only), propose ``abandoned``, which sets the
+    outcome and so ends the wait, and return the outcome that holds; else None (after
+    one last look). Event loop (a cancelled wait leaves its thread to end at its
+    timeout)."""
+    look = min(tunables.WAIT_SECONDS, tunables.STALE_SECONDS / 3)
+    if not give_up:
+        return await _wait_looking(attempt, name, ranks, look)
+    assert name == "outcome", name  # giving up sets the outcome: only that wait ends
+    failures: list[Exception] = []
+    value: bytes | None = None
+    async with anyio.create_task_group() as tasks:
+
+        async def abandon_if_gone() -> None:
+            try:
+                while True:
+                    await anyio.sleep(look)
+                    why = await reason_to_give_up(attempt, ranks, since=None)
+                    if why is not None:
+                        await anyio.to_thread.run_sync(attempt.give_up, why)
+                        return
+            except Exception as exc:  # the store lost: raised below, as it is
+                failures.append(exc)
+                tasks.cancel_scope.cancel()
+
+        tasks.start_soon(abandon_if_gone)
+        wait = functools.partial(attempt.wait, name, _ROUND_SECONDS)
+        try:
+            while value is None:
+                value = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+        except Exception as exc:  # raised as it is, not as an exception group
+            failures.append(exc)
+        tasks.cancel_scope.cancel()
+    if failures:
+        raise failures[0]
+    return value
+
+
+async def _wait_looking(attempt: Attempt, name: str, ranks: list[int], look: float) -> bytes | None:
+    """``wait_for`` without giving up: waits of ``look`` seconds, the heartbeats of
+    ``ranks`` looked at between two; None (after one last look) once they are gone."""
+    wait = functools.partial(attempt.wait, name, look)
     while True:
         value = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
         if value is not None:
             return value
-        why = await reason_to_give_up(attempt, ranks, since=None)
-        if why is not None:
-            if not give_up:
-                return await anyio.to_thread.run_sync(attempt.read, name)  # one last look
-            return await anyio.to_thread.run_sync(attempt.give_up, why)
+        if await reason_to_give_up(attempt, ranks, since=None) is not None:
+            return await anyio.to_thread.run_sync(attempt.read, name)  # one last look
