@@ -4,90 +4,56 @@ agent hosts it), and kill -9 of every rank after ``save()`` returned."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import checkpointd
 from checkpointd.daemon.client import status
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
-from tests.support.launch import REPO, free_port
-from tests.support.service import Service, child_env, socket_folder, start_service
+from tests.support.launch import hosted_store
+from tests.support.service import (
+    Service,
+    kill_ranks_at_line,
+    rank_processes,
+    services_per_rank,
+)
 from tests.support.service_rank_job import rank_state
 
 WORLD = 2
 
 
-@contextmanager
-def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
-    folders = [socket_folder() for _ in range(world)]
-    running: list[Service] = []
-    try:
-        for folder in folders:
-            running.append(start_service(folder, gate=gate))
-        yield running
-    finally:
-        for service in running:
-            service.stop()
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
 def services() -> Iterator[list[Service]]:
-    with _services() as running:
+    with services_per_rank(WORLD) as running:
         yield running
 
 
 @pytest.fixture
 def job_store() -> Iterator[int]:
-    """The job's TCP store, hosted here so that it outlives the ranks; its port."""
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    yield port
-    del store
+    with hosted_store() as port:
+        yield port
 
 
 def _ranks(
     scenario: str, services: list[Service], root: Path, out: Path, *, steps: int, port: int
 ) -> list[subprocess.Popen[str]]:
-    """One rank per service."""
-    out.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank, service in enumerate(services):
-        args = [scenario, service.socket, str(root), str(out), str(steps)]
-        args += [str(rank), str(len(services)), str(port)]
-        with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.support.service_rank_job", *args],
-                    env=child_env(),
-                    cwd=REPO,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    text=True,
-                )
-            )
-    return procs
+    """One rank per service (tests.support.service_rank_job)."""
+    return rank_processes(
+        "tests.support.service_rank_job",
+        services,
+        out,
+        port,
+        before=[scenario],
+        after=[str(root), str(out), str(steps)],
+    )
 
 
 def _committed_steps(root: Path) -> list[int]:
@@ -134,7 +100,7 @@ def test_a_sub_group_saves_through_its_services(job_store: int, tmp_path: Path) 
     """Ranks {1, 2} of 3 save their own checkpoint (a pipeline stage) through their
     services; rank 0 has no writer."""
     root, out = tmp_path / "root", tmp_path / "out"
-    with _services(world=3) as services:
+    with services_per_rank(3) as services:
         procs = _ranks("stage", services, root, out, steps=2, port=job_store)
         for rank, proc in enumerate(procs):
             assert proc.wait(180) == 0, (out / f"stderr{rank}.txt").read_text()
@@ -165,20 +131,9 @@ def test_ranks_killed_after_save_returned_still_commit(job_store: int, tmp_path:
     root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
     steps = 3
     # Each service's writes wait for the gate: every save is in flight when the ranks die.
-    with _services(gate=str(gate)) as services:
+    with services_per_rank(WORLD, gate=str(gate)) as services:
         procs = _ranks("save", services, root, out, steps=steps, port=job_store)
-        for proc in procs:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.strip() == f"returned {steps}":
-                    break
-        for proc in procs:  # every rank's save() of every step returned: kill them all
-            proc.send_signal(signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
-        assert [p.returncode for p in procs] == [-signal.SIGKILL] * WORLD
+        kill_ranks_at_line(procs, f"returned {steps}", out)  # every save() returned
         assert all(status(s.socket).saves_in_flight > 0 for s in services)
         assert _committed_steps(root) == []
         gate.touch()
@@ -208,7 +163,7 @@ def test_a_rank_that_never_saves_abandons_the_save_everywhere(
 
 def test_a_rank_whose_service_dies_reports_the_same_outcome(job_store: int, tmp_path: Path) -> None:
     root, out, gate = tmp_path / "root", tmp_path / "out", tmp_path / "gate"
-    with _services(gate=str(gate)) as services:
+    with services_per_rank(WORLD, gate=str(gate)) as services:
         procs = _ranks("save", services, root, out, steps=1, port=job_store)
         for proc in procs:
             assert proc.stdout is not None

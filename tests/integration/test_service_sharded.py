@@ -9,23 +9,16 @@ FSDP2 to S3 (moto) through the services.
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-import torch.distributed as dist
 
 import checkpointd
 from checkpointd import tunables
@@ -33,31 +26,15 @@ from checkpointd.daemon.client import status
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.integration.test_sharded import check_restored, job, same
-from tests.support.launch import REPO, free_port
+from tests.support.launch import hosted_store
 from tests.support.s3 import MotoS3
-from tests.support.service import Service, child_env, socket_folder, start_service
+from tests.support.service import kill_ranks_at_line, rank_processes, services_per_rank
 
 WORLD = 2
 
 # Each test runs one or two jobs of 2 to 4 rank processes beside as many services:
 # up to 100 s measured on 2 shared cores at load average 10, near the default 120 s.
 pytestmark = pytest.mark.timeout(300)
-
-
-@contextmanager
-def _services(gate: str | None = None, world: int = WORLD) -> Iterator[list[Service]]:
-    """One real service per rank (a "node" each), each in a socket folder of its own."""
-    folders = [socket_folder() for _ in range(world)]
-    running: list[Service] = []
-    try:
-        for folder in folders:
-            running.append(start_service(folder, gate=gate))
-        yield running
-    finally:
-        for service in running:
-            service.stop()
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +44,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     base = tmp_path_factory.mktemp("fsdp2_service")
     # The services plan with their own (default) shard block size: so does the trainer.
     block = str(tunables.SHARD_BLOCK_BYTES)
-    with _services() as services:
+    with services_per_rank(WORLD) as services:
         sockets = ",".join(s.socket for s in services)
         out = job(
             "save", "fsdp2", str(base / "svc"), base / "save", WORLD,
@@ -130,18 +107,8 @@ def test_fsdp2_saved_through_the_service_restores_bit_exact(
 
 @pytest.fixture
 def job_store() -> Iterator[int]:
-    """The job's TCP store, hosted here so that it outlives the ranks (as torchrun's
-    agent hosts it); its port."""
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    yield port
-    del store
+    with hosted_store() as port:
+        yield port
 
 
 def test_fsdp2_trainers_killed_after_save_returned_still_commit(
@@ -151,36 +118,15 @@ def test_fsdp2_trainers_killed_after_save_returned_still_commit(
     out.mkdir()
     steps = 2
     # The services' writes wait for the gate: every save is in flight when the ranks die.
-    with _services(gate=str(gate)) as services:
-        procs = []
-        for rank in range(WORLD):
-            args = [services[rank].socket, str(root), str(out), str(steps)]
-            args += [str(rank), str(WORLD), str(job_store)]
-            with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.support.service_fsdp_job", *args],
-                        env=child_env(),
-                        cwd=REPO,
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        text=True,
-                    )
-                )
-        for rank, proc in enumerate(procs):
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.strip() == f"returned {steps}":
-                    break
-            else:
-                raise AssertionError((out / f"stderr{rank}.txt").read_text()[-3000:])
-        for proc in procs:  # every rank's save() of every step returned: kill them all
-            proc.send_signal(signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
-        assert [p.returncode for p in procs] == [-signal.SIGKILL] * WORLD
+    with services_per_rank(WORLD, gate=str(gate)) as services:
+        procs = rank_processes(
+            "tests.support.service_fsdp_job",
+            services,
+            out,
+            job_store,
+            after=[str(root), str(out), str(steps)],
+        )
+        kill_ranks_at_line(procs, f"returned {steps}", out)  # every save() returned
         assert all(status(s.socket).saves_in_flight > 0 for s in services)
         assert checkpointd.list_checkpoints(str(root)) == [] if root.is_dir() else True
         gate.touch()
@@ -204,7 +150,7 @@ def test_tensor_parallel_and_hsdp_through_the_service_restore_bit_exact(
     mode: str, world: int, tmp_path: Path
 ) -> None:
     root = str(tmp_path / "root")
-    with _services(world=world) as services:
+    with services_per_rank(world) as services:
         sockets = ",".join(s.socket for s in services)
         saved = job("save", mode, root, tmp_path / "save", world, CHECKPOINTD_TEST_SERVICES=sockets)
     if mode == "hsdp":
@@ -223,7 +169,7 @@ def test_fsdp2_through_the_service_to_s3_restores_resharded(
     moto_s3.create_bucket(bucket)
     root = f"s3://{bucket}/run"
     options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
-    with _services() as services:
+    with services_per_rank(WORLD) as services:
         sockets = ",".join(s.socket for s in services)
         saved = job(
             "save", "fsdp2", root, tmp_path / "save", WORLD,

@@ -7,7 +7,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _tcp_store(port: int, *, host: bool) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=host,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+@contextmanager
+def hosted_store() -> Iterator[int]:
+    """A job's TCP store hosted by the test, so that it outlives the ranks (as torchrun's
+    agent hosts it); its port."""
+    port = free_port()
+    store = _tcp_store(port, host=True)
+    yield port
+    del store
+
+
+def join_hosted_store(port: int, rank: int, world: int) -> None:
+    """A rank's side of ``hosted_store``: connect to it and start the gloo group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=_tcp_store(port, host=False), rank=rank, world_size=world)
 
 
 def start_ranks(

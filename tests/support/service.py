@@ -214,3 +214,69 @@ def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting for the condition"
         time.sleep(0.05)
+
+
+@contextmanager
+def services_per_rank(world: int, gate: str | None = None) -> Iterator[list[Service]]:
+    """One real service per rank (a "node" each), each in a socket folder of its own;
+    ``gate``: their writes held until that file exists (``start_service``)."""
+    folders = [socket_folder() for _ in range(world)]
+    running: list[Service] = []
+    try:
+        for folder in folders:
+            running.append(start_service(folder, gate=gate))
+        yield running
+    finally:
+        for service in running:
+            service.stop()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def rank_processes(
+    module: str,
+    services: list[Service],
+    out: Path,
+    port: int,
+    *,
+    before: Sequence[str] = (),
+    after: Sequence[str] = (),
+) -> list[subprocess.Popen[str]]:
+    """One rank of a job per service: ``python -m module *before SOCKET *after RANK WORLD
+    PORT`` (``port``: the job's hosted store), stdout a pipe of lines, stderr in
+    ``out/stderrR.txt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank, service in enumerate(services):
+        args = [*before, service.socket, *after, str(rank), str(len(services)), str(port)]
+        with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    env=child_env(),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+            )
+    return procs
+
+
+def kill_ranks_at_line(procs: list[subprocess.Popen[str]], wanted: str, out: Path) -> None:
+    """Once every rank printed the line ``wanted``, SIGKILL them all and reap them
+    (AssertionError, with the rank's stderr from ``out``, if one ended before it)."""
+    for rank, proc in enumerate(procs):
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == wanted:
+                break
+        else:
+            raise AssertionError((out / f"stderr{rank}.txt").read_text()[-3000:])
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * len(procs)

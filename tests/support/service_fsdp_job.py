@@ -12,7 +12,6 @@ handles (the test may kill -9 it before).
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 
@@ -20,20 +19,14 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
+from tests.support.launch import join_hosted_store
 from tests.support.shard_job import build, full_state, train
 
 
 def main() -> None:
     socket, root, out, steps_s, rank_s, world_s, port = sys.argv[1:]
     rank, world, steps = int(rank_s), int(world_s), int(steps_s)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        int(port),
-        is_master=False,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    join_hosted_store(int(port), rank, world)
     model, optimizer = build("fsdp2", world, seed=0)
     with checkpointd.CheckpointWriter(root, service=socket, max_pending=steps) as writer:
         handles = []

@@ -16,7 +16,6 @@ The job's TCP store is hosted by the test (as torchrun's agent hosts it), at
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import checkpointd
+from tests.support.launch import join_hosted_store
 
 
 def rank_state(step: int, rank: int) -> dict[str, Any]:
@@ -40,14 +40,7 @@ def rank_state(step: int, rank: int) -> dict[str, Any]:
 def main() -> None:
     scenario, socket, root, out, steps_s, rank_s, world_s, port = sys.argv[1:]
     rank, world, steps = int(rank_s), int(world_s), int(steps_s)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        int(port),
-        is_master=False,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    join_hosted_store(int(port), rank, world)
     result: dict[str, Any] = {"outcomes": []}
     group = None
     if scenario == "stage":  # ranks {1, 2} of 3 save; rank 0 only trains
