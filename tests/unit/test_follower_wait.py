@@ -69,8 +69,9 @@ def test_a_follower_wakes_when_the_outcome_is_set_and_does_not_poll(server: TCPS
         waited = time.monotonic() - started
         decided.join()
         assert outcome == b"committed"
-        assert 2.9 < waited < 4.5  # woken by the set, not by the 5 s wait's timeout
-        # One wait, one read, and no polls: POLL_SECONDS polling would make ~60 calls.
+        assert waited > 2.9
+        # Woken by the set: one wait (a timeout would start another), one read, and no
+        # polls (POLL_SECONDS polling would make ~60 calls).
         assert counted.calls["wait"] == 1, counted.calls
         assert sum(counted.calls.values()) < 15, counted.calls
         # The wait has a connection of its own: the heartbeat kept beating meanwhile.
@@ -112,8 +113,9 @@ def test_a_follower_gives_up_on_a_publisher_whose_heartbeat_stopped(
         waited = time.monotonic() - started
         assert outcome is not None
         assert outcome.startswith(b"abandoned: rank 1: rank(s) [0] stopped responding"), outcome
-        # Noticed one stale period after the first look, plus at most one wait.
-        assert 1.5 <= waited < 1.5 + 1.5 / 3 + 1.5
+        # Noticed one stale period after the first look; giving up ended the wait, long
+        # before its own timeout (a round of 300 s).
+        assert 1.5 <= waited < 30
         assert counted.calls["wait"] <= 8, counted.calls
         # A wait whose rank died may end None instead (published, give_up=False).
         assert (
