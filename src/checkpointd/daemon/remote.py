@@ -29,7 +29,6 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from checkpointd.errors import InvalidArgumentError, ServiceError, StagingError
-from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
 from checkpointd.write.options import WriterOptions
@@ -72,18 +71,7 @@ def open_remote(root: str, options: WriterOptions, group: Group | None) -> Remot
         ) from None
     conn = connect(service)
     try:
-        return RemoteService(
-            conn,
-            root,
-            storage_options=plain,
-            policy=options.policy,
-            max_pending=options.max_pending,
-            max_concurrency=options.max_concurrency,
-            newer_steps=options.newer_steps,
-            incremental=options.incremental,
-            chunk_bytes=options.chunk_bytes,
-            group=group,
-        )
+        return RemoteService(conn, root, options, storage_options=plain, group=group)
     except BaseException:
         conn.close()
         raise
@@ -105,24 +93,21 @@ class RemoteService:
         self,
         conn: Connection,
         root: str,
+        options: WriterOptions,
         *,
         storage_options: dict[str, Any] | None,
-        policy: RetentionPolicy,
-        max_pending: int,
-        max_concurrency: int,
-        newer_steps: str,
-        incremental: bool = False,
-        chunk_bytes: int | None = None,
         group: Group | None = None,
     ) -> None:
+        """Open a writer of ``root`` in the service with ``options`` (``storage_options``:
+        theirs made JSON-able)."""
         self.conn = conn
         self.group = group
         self._root = (root, storage_options)
         self.newest: int | None = None
         self.loop_thread: int | None = None
         self.failures = Failures()
-        self.max_pending = max_pending
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self.max_pending = options.max_pending
+        self._slots = threading.BoundedSemaphore(options.max_pending)
         self._lock = threading.Lock()
         self._saves: dict[int, SaveHandle] = {}
         self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
@@ -132,6 +117,7 @@ class RemoteService:
         self._mappings = Mappings()
         conn.on_event = self._event
         conn.on_lost = self._lost
+        policy = options.policy
         reply, _ = conn.request(
             p.OpenWriter,
             root=root,
@@ -141,11 +127,11 @@ class RemoteService:
             keep_best=policy.keep_best,
             best_metric=policy.best_metric,
             best_mode=policy.best_mode,
-            max_pending=max_pending,
-            max_concurrency=max_concurrency,
-            newer_steps=newer_steps,
-            incremental=incremental,
-            chunk_bytes=chunk_bytes,
+            max_pending=options.max_pending,
+            max_concurrency=options.max_concurrency,
+            newer_steps=options.newer_steps,
+            incremental=options.incremental,
+            chunk_bytes=options.chunk_bytes,
             group=None if group is None else group.hosted,
         )
         assert isinstance(reply, p.WriterOpened)
