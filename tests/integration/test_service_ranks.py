@@ -24,6 +24,7 @@ from tests.support.service import (
     kill_ranks_at_line,
     rank_processes,
     services_per_rank,
+    wait_ranks,
 )
 from tests.support.service_rank_job import rank_state
 
@@ -83,10 +84,7 @@ def test_ranks_save_through_their_services_with_one_outcome(
 ) -> None:
     root, out = tmp_path / "root", tmp_path / "out"
     procs = _ranks("save", services, root, out, steps=2, port=job_store)
-    for proc in procs:
-        assert proc.wait(180) == 0, (out / "stderr0.txt").read_text()
-        assert proc.stdout is not None
-        proc.stdout.close()
+    wait_ranks(procs, out)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert reports[0]["outcomes"] == reports[1]["outcomes"] == [["committed", 1], ["committed", 2]]
     assert _committed_steps(root) == [1, 2]
@@ -102,10 +100,7 @@ def test_a_sub_group_saves_through_its_services(job_store: int, tmp_path: Path) 
     root, out = tmp_path / "root", tmp_path / "out"
     with services_per_rank(3) as services:
         procs = _ranks("stage", services, root, out, steps=2, port=job_store)
-        for rank, proc in enumerate(procs):
-            assert proc.wait(180) == 0, (out / f"stderr{rank}.txt").read_text()
-            assert proc.stdout is not None
-            proc.stdout.close()
+        wait_ranks(procs, out)
         reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
         assert reports[0]["outcomes"] == []
         assert (
@@ -149,10 +144,7 @@ def test_a_rank_that_never_saves_abandons_the_save_everywhere(
 ) -> None:
     root, out = tmp_path / "root", tmp_path / "out"
     procs = _ranks("absent", services, root, out, steps=1, port=job_store)
-    for proc in procs:
-        assert proc.wait(180) == 0, (out / "stderr0.txt").read_text()
-        assert proc.stdout is not None
-        proc.stdout.close()
+    wait_ranks(procs, out)
     (outcome,) = json.loads((out / "rank0.json").read_text())["outcomes"]
     assert outcome[0] == "RankFailedError"
     assert "closed their writer" in outcome[1]
@@ -172,10 +164,7 @@ def test_a_rank_whose_service_dies_reports_the_same_outcome(job_store: int, tmp_
                     break
         services[1].kill()  # rank 1's save dies with its service; its trainer lives
         gate.touch()
-        for proc in procs:
-            assert proc.wait(180) == 0, (out / "stderr1.txt").read_text()
-            assert proc.stdout is not None
-            proc.stdout.close()
+        wait_ranks(procs, out)
         outcomes = [
             json.loads((out / f"rank{r}.json").read_text())["outcomes"] for r in range(WORLD)
         ]

@@ -280,3 +280,12 @@ def kill_ranks_at_line(procs: list[subprocess.Popen[str]], wanted: str, out: Pat
         assert proc.stdout is not None
         proc.stdout.close()
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * len(procs)
+
+
+def wait_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 180) -> None:
+    """Wait for every rank to exit 0 (AssertionError with that rank's stderr from
+    ``out`` otherwise), closing their stdout pipes."""
+    for rank, proc in enumerate(procs):
+        assert proc.wait(timeout) == 0, (out / f"stderr{rank}.txt").read_text()
+        assert proc.stdout is not None
+        proc.stdout.close()
