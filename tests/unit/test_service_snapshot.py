@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from checkpointd import tunables
 from checkpointd.daemon import protocol as p
 from checkpointd.daemon.snapshot import describe, rebuild
 from checkpointd.format.codec import TensorRef
@@ -71,6 +72,35 @@ def test_a_rebuilt_sharded_snapshot_plans_the_same_files_and_entries() -> None:
     assert rebuilt.rank == 1
 
 
+def test_the_trainers_shard_block_size_travels_with_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tunables, "SHARD_BLOCK_BYTES", 16)
+    snapshot, arena = _snapshot()  # made at 16 bytes a block, as save() makes it
+    monkeypatch.setattr(tunables, "SHARD_BLOCK_BYTES", 8 * 2**20)  # the service's own
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    assert rebuilt.shard_block == 16
+    entries = plan_snapshot(rebuilt, "tok", world_size=2).components["model"].sharded
+    (shard,) = entries["p"].shards
+    assert (shard.block_bytes, len(shard.crc32c)) == (16, 3)  # 48 bytes
+    assert _files(snapshot) == _files(rebuilt)
+    assert plan_snapshot(snapshot, "tok", world_size=2).components == (
+        plan_snapshot(rebuilt, "tok", world_size=2).components
+    )
+
+
+def test_more_shard_blocks_than_a_manifest_can_list_is_a_protocol_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    snapshot, arena = _snapshot()
+    desc = msgspec.structs.replace(describe(snapshot), shard_block=1)  # 48 blocks
+    monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 64)  # room for 32 CRC32Cs at most
+    with pytest.raises(p.ProtocolError, match="48 shard blocks"):
+        rebuild(_over_the_wire(desc), arena)
+    monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 96)
+    assert rebuild(_over_the_wire(desc), arena).shard_block == 1
+
+
 def _component(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
     (component,) = desc.components
     return msgspec.structs.replace(desc, components=[msgspec.structs.replace(component, **changes)])
@@ -100,6 +130,8 @@ HOSTILE = {
     "fewer offsets than dimensions": lambda d: _shard(d, 0, offsets=[3]),
     "unknown dtype": lambda d: _shard(d, 1, dtype="F128"),
     "a shard twice": lambda d: _component(d, shards=[d.components[0].shards[0]] * 2),
+    "a shard block of 0 bytes": lambda d: msgspec.structs.replace(d, shard_block=0),
+    "a negative shard block": lambda d: msgspec.structs.replace(d, shard_block=-8),
 }
 
 

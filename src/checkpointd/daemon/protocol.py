@@ -156,6 +156,9 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_rank: dict[str, str] = msgspec.field(default_factory=dict)
     attempt: int = 0
     rank: int = 0
+    shard_block: int | None = None
+    """Bytes per CRC32C block of a shard (the trainer's ``tunables.SHARD_BLOCK_BYTES`` at
+    ``save()``); None: the service's."""
 
 
 class Submit(_Msg):

@@ -15,6 +15,7 @@ import math
 import msgspec
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CheckpointError, InvalidArgumentError, UnsupportedValueError
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
@@ -86,6 +87,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         per_rank=snapshot.per_rank,
         attempt=snapshot.attempt,
         rank=snapshot.rank,
+        shard_block=snapshot.shard_block,
     )
 
 
@@ -130,6 +132,8 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
                 comp.shard_nbytes,
             )
         )
+    block = tunables.SHARD_BLOCK_BYTES if desc.shard_block is None else desc.shard_block
+    _check_block(block, components)
     try:
         return Snapshot(
             desc.step,
@@ -142,9 +146,23 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
             per_rank=dict(desc.per_rank),
             attempt=desc.attempt,
             rank=desc.rank,
+            shard_block=block,
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None
+
+
+def _check_block(block: int, components: list[CapturedComponent]) -> None:
+    """A shard block size of at least one byte, whose block CRC32Cs (two bytes each at
+    the least) fit the manifest or shard index no reader refuses."""
+    if block < 1:
+        raise ProtocolError(f"shard block size {block} is not positive")
+    blocks = sum(-(-(e.end - e.begin) // block) for c in components for e in c.shard_entries)
+    if blocks > tunables.MAX_MANIFEST_BYTES // 2:
+        raise ProtocolError(
+            f"{blocks:,} shard blocks of {block} bytes: their CRC32Cs cannot fit the "
+            f"{tunables.MAX_MANIFEST_BYTES:,}-byte manifest any reader accepts"
+        )
 
 
 def _region(component: str, what: str, offset: int, nbytes: int, size: int) -> None:

@@ -108,15 +108,15 @@ class WriterOptions:
     if this process dies; with many ranks each rank's service runs that rank's part of
     the commit (ranks/hosted.py). With ``incremental=True`` the service references
     unchanged tensors (the same files), but every tensor is copied into its memory at
-    ``save()``. Not yet with overlapped staging or AsyncCheckpointWriter
-    (InvalidArgumentError).
+    ``save()``. With ``staging="overlapped"`` the snapshot is handed to the service
+    when its copy ends (from ``handle.staged()`` on, it commits whatever happens here).
 
     ``buffer_pool``: a BufferPool that several writers share, one after another: the
     writer takes its staging buffers from it and gives them back once closed (the
     Lightning plugin's writers, one per root). Not with ``service=``.
 
     ``chunk_bytes`` (default ``tunables.CHUNK_BYTES``): bytes handed to storage per
-    write while a file or blob streams (in this process; the service uses its own).
+    write while a file or blob streams (the service's writer uses it too).
 
     The tunables defaults are read when the options are made.
     """

@@ -89,6 +89,9 @@ class Snapshot:
     """Components that hold this rank's own state -> the per-rank component's name."""
     rank: int = 0
     """This process's rank in the group that saves (0 alone); names its shard files."""
+    shard_block: int = field(default_factory=lambda: tunables.SHARD_BLOCK_BYTES)
+    """Bytes per CRC32C block of each shard (``tunables.SHARD_BLOCK_BYTES`` when the
+    snapshot is made, at ``save()``; the service plans with the trainer's)."""
 
 
 def _size(parts: Sequence[BytesLike]) -> int:
@@ -349,8 +352,8 @@ def _plan_shards(
                 list(shard.offsets),
                 list(shard.local_shape),
                 begins.get(entry.name, 0),
-                tunables.SHARD_BLOCK_BYTES,
-                _blocks(data[entry.begin : entry.end]),
+                snapshot.shard_block,
+                _blocks(data[entry.begin : entry.end], snapshot.shard_block),
                 blob,
             )
         )
@@ -362,8 +365,7 @@ def _plan_shards(
     return sharded
 
 
-def _blocks(region: memoryview) -> list[int]:
-    step = tunables.SHARD_BLOCK_BYTES
+def _blocks(region: memoryview, step: int) -> list[int]:
     return [crc32c(region[at : at + step]) for at in range(0, len(region), step)]
 
 
