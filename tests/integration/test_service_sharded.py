@@ -3,6 +3,9 @@
 ``checkpointd serve``. The files must be byte-identical to an in-process save's,
 restore (in-process, on 2 ranks and resharded on 3) must give the state back bit for
 bit, and a save whose ``save()`` returned must commit after kill -9 of both trainers.
+The trainer's shard block size (not the services' default) is the one written. The
+same with ``staging="overlapped"`` (a training step while the copy runs) and with an
+AsyncCheckpointWriter.
 Also tensor-parallel and HSDP (4 ranks: replicas write alternate shards) jobs, and
 FSDP2 to S3 (moto) through the services.
 """
@@ -25,7 +28,7 @@ from checkpointd import tunables
 from checkpointd.daemon.client import status
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
-from tests.integration.test_sharded import check_restored, job, same
+from tests.integration.test_sharded import BLOCK, check_restored, job, same
 from tests.support.launch import hosted_store
 from tests.support.s3 import MotoS3
 from tests.support.service import kill_ranks_at_line, rank_processes, services_per_rank
@@ -37,29 +40,34 @@ WORLD = 2
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """The same FSDP2 job saved through the services and in-process: (service root,
-    its job's output folder, in-process root)."""
-    base = tmp_path_factory.mktemp("fsdp2_service")
-    # The services plan with their own (default) shard block size: so does the trainer.
-    block = str(tunables.SHARD_BLOCK_BYTES)
+def _saved_both_ways(base: Path, **env: str) -> tuple[Path, Path, Path]:
+    """The same FSDP2 job (shard blocks of test_sharded's BLOCK bytes, not the services'
+    default) saved through the services and in-process, with the writer ``env`` asks for:
+    (service root, its job's output folder, in-process root)."""
+    assert BLOCK != tunables.SHARD_BLOCK_BYTES  # the trainer's own setting
     with services_per_rank(WORLD) as services:
         sockets = ",".join(s.socket for s in services)
         out = job(
             "save", "fsdp2", str(base / "svc"), base / "save", WORLD,
-            CHECKPOINTD_TEST_SERVICES=sockets, CHECKPOINTD_TEST_BLOCK=block,
+            CHECKPOINTD_TEST_SERVICES=sockets, **env,
         )  # fmt: skip
         assert [status(s.socket).committed for s in services] == [1, 1]
-    job(
-        "save",
-        "fsdp2",
-        str(base / "local"),
-        base / "save_local",
-        WORLD,
-        CHECKPOINTD_TEST_BLOCK=block,
-    )
+    job("save", "fsdp2", str(base / "local"), base / "save_local", WORLD, **env)
     return base / "svc", out, base / "local"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A CheckpointWriter's FSDP2 save through the services and in-process."""
+    return _saved_both_ways(tmp_path_factory.mktemp("fsdp2_service"))
+
+
+@pytest.fixture(scope="module")
+def overlapped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """As ``saved`` with ``staging="overlapped"``: the copy held until ``save()``
+    returned, then one training step while it runs."""
+    base = tmp_path_factory.mktemp("fsdp2_overlapped")
+    return _saved_both_ways(base, CHECKPOINTD_TEST_STAGING="overlapped")
 
 
 def _token_free(root: Path, step: int) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -82,10 +90,9 @@ def _token_free(root: Path, step: int) -> tuple[dict[str, Any], dict[str, bytes]
     return json.loads(text), files
 
 
-def test_fsdp2_through_the_service_writes_the_files_an_in_process_save_writes(
-    saved: tuple[Path, Path, Path],
-) -> None:
-    svc, _, local = saved
+def _same_files(svc: Path, local: Path) -> None:
+    """The services wrote the files and manifest the in-process save wrote, shard blocks
+    of the trainer's size."""
     svc_manifest, svc_files = _token_free(svc, 1)
     local_manifest, local_files = _token_free(local, 1)
     assert svc_manifest == local_manifest
@@ -95,6 +102,20 @@ def test_fsdp2_through_the_service_writes_the_files_an_in_process_save_writes(
     for name, data in svc_files.items():
         assert data == local_files[name], name
     assert svc_manifest["world_size"] == WORLD
+    blocks = {
+        shard["block_bytes"]
+        for component in svc_manifest["components"].values()
+        for tensor in component["sharded"].values()
+        for shard in tensor["shards"]
+    }
+    assert blocks == {BLOCK}
+
+
+def test_fsdp2_through_the_service_writes_the_files_an_in_process_save_writes(
+    saved: tuple[Path, Path, Path],
+) -> None:
+    svc, _, local = saved
+    _same_files(svc, local)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -103,6 +124,39 @@ def test_fsdp2_saved_through_the_service_restores_bit_exact(
 ) -> None:
     svc, out, _ = saved
     check_restored(out, job("restore", "fsdp2", str(svc), tmp_path / "restore", world))
+
+
+def test_fsdp2_overlapped_through_the_service_writes_what_in_process_writes(
+    overlapped: tuple[Path, Path, Path],
+) -> None:
+    svc, out, local = overlapped
+    for rank in range(WORLD):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        assert report["staged_at_return"] is False, report  # handed over after return
+    _same_files(svc, local)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_overlapped_through_the_service_restores_bit_exact(
+    overlapped: tuple[Path, Path, Path], world: int, tmp_path: Path
+) -> None:
+    svc, out, _ = overlapped
+    check_restored(out, job("restore", "fsdp2", str(svc), tmp_path / "restore", world))
+
+
+def test_fsdp2_async_writer_through_the_service_writes_what_in_process_writes(
+    saved: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    with services_per_rank(WORLD) as services:
+        sockets = ",".join(s.socket for s in services)
+        out = job(
+            "save", "fsdp2", str(root), tmp_path / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, CHECKPOINTD_TEST_ASYNC="1",
+        )  # fmt: skip
+        assert [status(s.socket).committed for s in services] == [1, 1]
+    _same_files(root, saved[2])  # the sync writer's in-process save of the same state
+    check_restored(out, job("restore", "fsdp2", str(root), tmp_path / "restore", WORLD))
 
 
 @pytest.fixture

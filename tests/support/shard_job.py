@@ -19,7 +19,11 @@ save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
 CHECKPOINTD_TEST_SHARD_INDEX=1 (shard entries in shard index files whatever the job's
 size: tunables.SHARD_INDEX_MIN_ENTRIES 0), CHECKPOINTD_TEST_SERVICES (comma-separated
 socket paths: rank R saves through the checkpoint service at the R-th; its store is then
-the job's TCP store, hosted by rank 0's process as tcp:// init hosts it). Reports also
+the job's TCP store, hosted by rank 0's process as tcp:// init hosts it),
+CHECKPOINTD_TEST_STAGING (the writer's ``staging``; with ``overlapped`` the copy is
+held until ``save()`` returned, reported as ``staged_at_return``, then the training
+step after the save runs while it copies), CHECKPOINTD_TEST_ASYNC=1 (save with an
+AsyncCheckpointWriter under asyncio). Reports also
 carry ``shard_bytes_read``: distinct bytes this rank read from shard files, and
 ``indexes_read``: the shard index files it read.
 """
@@ -30,9 +34,11 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
+import anyio
 import torch
 import torch.distributed as dist
 
@@ -40,6 +46,7 @@ import checkpointd
 from checkpointd import tunables
 from checkpointd.storage.fsspec import FsspecStore
 from checkpointd.storage.local import LocalStore
+from checkpointd.write import staging
 
 DIMS = (16, 24, 10)  # 24 and 10 split unevenly over 3 and 4 ranks
 
@@ -170,30 +177,18 @@ def main() -> None:
         dist.destroy_process_group()
         return
     try:
+        gather = full_state if mode != "plain" else _plain_state
         if action == "save":
             model, optimizer = build(mode, world, seed=0)
             train(model, optimizer, 2)
-            incremental = os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1"
-            services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
-            with checkpointd.CheckpointWriter(
-                root,
-                storage_options=options,
-                incremental=incremental,
-                service=services.split(",")[rank] if services else None,
-            ) as writer:
-                started = time.perf_counter()
-                handle = writer.save(
-                    1, {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
-                )
-                result["blocked"] = time.perf_counter() - started
-                handle.result()
+            state = gather(model, optimizer)
+            save(root, rank, model, optimizer, options=options, result=result)
         else:
             model, optimizer = build(mode, world, seed=1)
             targets = {"model": model, "optimizer": optimizer, "progress": {}}
             checkpointd.restore(root, targets, storage_options=options)
-        gather = full_state if mode != "plain" else _plain_state
-        state = gather(model, optimizer)
-        train(model, optimizer, 1)  # the restored optimizer must work, not only load
+            state = gather(model, optimizer)
+            train(model, optimizer, 1)  # the restored optimizer must work, not only load
         after = gather(model, optimizer)
         result["ok"] = True
         if rank == 0:
@@ -205,6 +200,67 @@ def main() -> None:
     _report(out, rank, result)
     if mode != "plain":
         dist.destroy_process_group()
+
+
+def save(
+    root: str,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    options: dict[str, Any] | None,
+    result: dict[str, Any],
+) -> None:
+    """Save step 1 with the writer the environment asks for, then train one step: with
+    overlapped staging while the save is still copying (the step waits for its copy),
+    otherwise once it committed. Records ``blocked`` (seconds ``save()`` blocked)."""
+    services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
+    kwargs: dict[str, Any] = {
+        "storage_options": options,
+        "incremental": os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1",
+        "service": services.split(",")[rank] if services else None,
+        "staging": os.environ.get("CHECKPOINTD_TEST_STAGING", "blocking"),
+    }
+    state = {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
+    if os.environ.get("CHECKPOINTD_TEST_ASYNC") == "1":
+
+        async def save_async() -> None:
+            async with checkpointd.AsyncCheckpointWriter(root, **kwargs) as writer:
+                started = time.perf_counter()
+                handle = await writer.save(1, state)
+                result["blocked"] = time.perf_counter() - started
+                await handle.wait()
+            train(model, optimizer, 1)
+
+        anyio.run(save_async)
+        return
+    gate = _hold_copies() if kwargs["staging"] == "overlapped" else None
+    with checkpointd.CheckpointWriter(root, **kwargs) as writer:
+        started = time.perf_counter()
+        handle = writer.save(1, state)
+        result["blocked"] = time.perf_counter() - started
+        if gate is not None:
+            result["staged_at_return"] = handle.staged()
+            gate.set()
+            train(model, optimizer, 1)
+        handle.result()
+    if kwargs["staging"] != "overlapped":
+        train(model, optimizer, 1)
+
+
+def _hold_copies() -> threading.Event:
+    """Hold every overlapped background copy until the returned event is set (so the
+    save is still copying when ``save()`` returns)."""
+    gate = threading.Event()
+    real = staging.copy_in_background
+
+    def held(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not gate.wait(60):
+            raise TimeoutError("the job never opened the gate")
+        real(copies)
+
+    staging.copy_in_background = held
+    return gate
 
 
 def _report(out: str, rank: int, result: dict[str, Any]) -> None:
