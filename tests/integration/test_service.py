@@ -8,10 +8,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 import checkpointd
+from checkpointd.daemon.client import status
 from checkpointd.daemon.priority import io_priority
 from checkpointd.errors import ServiceError
 from tests.support.service import (
@@ -20,6 +22,7 @@ from tests.support.service import (
     run_python,
     running_service,
     socket_folder,
+    wait_for,
 )
 
 
@@ -202,3 +205,28 @@ def test_the_writers_chunk_bytes_reaches_the_service(service: Service, tmp_path:
         assert torch.equal(checkpointd.load(root).state["model"]["w"], state["model"]["w"])
     # 16 MiB in 4 KiB writes is 4096 calls; in the default 16 MiB chunks a handful.
     assert calls["small"] >= 4096 > 10 * calls["default"], calls
+
+
+def test_a_save_the_service_refuses_after_save_returned_fails_its_handle(
+    service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpointd.daemon import protocol as p
+    from checkpointd.daemon import remote, snapshot
+
+    def out_of_bounds(captured: object) -> p.SnapshotDesc:
+        desc = snapshot.describe(captured)  # type: ignore[arg-type]
+        first = msgspec.structs.replace(desc.components[0], offset=1 << 40)
+        return msgspec.structs.replace(desc, components=[first, *desc.components[1:]])
+
+    root = str(tmp_path)
+    with checkpointd.CheckpointWriter(root, service=service.socket) as writer:
+        assert writer.save(1, {"t": torch.ones(4)}).result(60).step == 1
+        monkeypatch.setattr(remote, "describe", out_of_bounds)
+        handle = writer.save(2, {"t": torch.zeros(4)})  # returns before the service reads it
+        with pytest.raises(ServiceError, match="spans bytes"):
+            handle.result(60)
+        monkeypatch.undo()
+        with pytest.raises(ServiceError):  # the service closed that connection
+            writer.save(3, {"t": torch.zeros(4)}).result(60)
+    assert [c.step for c in checkpointd.list_checkpoints(root)] == [1]
+    wait_for(lambda: status(service.socket).bytes_staged == 0)  # its segment freed

@@ -1,9 +1,10 @@
 """A connection to the service, and finding or starting the node's service.
 
 ``Connection`` is blocking and thread-safe: any thread may make a request
-(a frame out, the reply with the same ``id`` back); a reader thread routes
-replies to their callers and the unasked events (``Committed``, ``Failed``,
-``Notice``) to ``on_event``. When the service goes away (killed, or the
+(a frame out, the reply with the same ``id`` back), or ``post`` one without
+waiting; a reader thread routes replies to their callers, and the replies to
+posted requests and the unasked events (``Committed``, ``Failed``, ``Notice``) to
+``on_event``. When the service goes away (killed, or the
 connection cut), every waiting request and ``on_lost`` get a ServiceError at
 once: the kernel closes a dead process's sockets, so the loss is seen within
 the time it takes to read an end of stream. No torch here.
@@ -82,6 +83,7 @@ class Connection:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._waiting: dict[int, Future[tuple[p.Message, int | None]]] = {}
+        self._posted: set[int] = set()  # requests whose reply goes to on_event
         self._ids = itertools.count(1)
         self.lost: ServiceError | None = None
         self.on_event: Callable[[p.Message], None] = lambda message: None
@@ -112,6 +114,33 @@ class Connection:
             raise
         return future.result()
 
+    def new_id(self) -> int:
+        """An id for a request to ``post``."""
+        with self._lock:
+            return next(self._ids)
+
+    def post(self, ident: int, frame: bytes) -> None:
+        """Send ``frame`` (``protocol.encode`` of a request whose id is ``ident``, from
+        ``new_id``) without waiting for the reply: the reply, an ``Error`` included,
+        goes to ``on_event``. Returns once the frame is in the service's socket queue
+        (the service reads it even if this process dies now). ServiceError if the
+        service went away. Any thread."""
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            self._posted.add(ident)
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+        except OSError as exc:
+            error = ServiceError(f"the checkpoint service at {self.path} went away ({exc})")
+            self._fail(error)
+            raise (self.lost or error) from None
+        except BaseException:
+            with self._lock:
+                self._posted.discard(ident)
+            raise
+
     def _read_loop(self) -> None:
         why = "closed the connection"
         try:
@@ -126,6 +155,13 @@ class Connection:
                     continue
                 with self._lock:
                     future = self._waiting.pop(ident, None) if ident else None
+                    posted = future is None and ident in self._posted
+                    self._posted.discard(ident)
+                if posted:
+                    if fd is not None:
+                        os.close(fd)
+                    self.on_event(message)
+                    continue
                 if isinstance(message, p.Error):
                     error = error_from(message.error, message.message)
                     if future is None:

@@ -5,10 +5,11 @@ run its in-process write service. ``save()`` works as always: a staging buffer
 is acquired (at most ``max_pending`` saves in flight), the state is captured by
 today's capture code into it (the buffer's arena is a fresh segment of the
 service's shared memory, asked for at the size capture needs), then ``submit``
-sends the snapshot's description and returns once the service has accepted
-it: from then on the checkpoint commits even if this process dies. The handle
-resolves when the service reports the commit or the failure; if the service
-goes away, every pending handle fails with ServiceError at once.
+sends the snapshot's description and returns once
+it is in the service's socket queue (no round trip: the service reads what a
+dead client sent): from then on the checkpoint commits even if this process
+dies. The handle resolves when the service reports the commit or the failure;
+if the service goes away, every pending handle fails with ServiceError at once.
 
 With ``staging="overlapped"`` the copy may still run when ``save()`` returns: the
 snapshot is sent when it ends, before the save counts as staged, so the service
@@ -110,7 +111,7 @@ class RemoteService:
         self._slots = threading.BoundedSemaphore(options.max_pending)
         self._lock = threading.Lock()
         self._saves: dict[int, SaveHandle] = {}
-        self._early: dict[int, p.Committed | p.Failed] = {}  # resolved before registered
+        self._sent: dict[int, tuple[SaveHandle, int]] = {}  # Submit id -> handle, attempt
         self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
         self._staging: set[SaveHandle] = set()  # overlapped saves not yet handed over
@@ -150,6 +151,7 @@ class RemoteService:
         while True:
             with self._lock:
                 pending = [h for h in self._saves.values() if not h.done()]
+                pending += [h for h, _ in self._sent.values() if not h.done()]
                 pending += self._staging
             if not pending:
                 break
@@ -175,11 +177,12 @@ class RemoteService:
                 self.conn.request(p.Free, segment=segment)
 
     async def submit(self, snapshot: Snapshot, handle: SaveHandle) -> None:
-        """Hand the snapshot to the service; returns once it is accepted (it commits
-        from now on, whatever happens to this process). An overlapped save whose copy
-        still runs is handed over by the copier's thread when the copy ends, before the
-        save counts as staged (saves stage one at a time, so they are sent in order);
-        then this returns at once."""
+        """Hand the snapshot to the service; returns once its description is in the
+        service's socket queue (it commits from now on, whatever happens to this
+        process: the service reads what a dead client sent). An overlapped save whose
+        copy still runs is handed over by the copier's thread when the copy ends, before
+        the save counts as staged (saves stage one at a time, so they are sent in
+        order); then this returns at once."""
         staging = handle.staging
         with self._lock:
             self._staging.add(handle)
@@ -190,7 +193,7 @@ class RemoteService:
         with self._lock:
             self._staging.discard(handle)
         if staging is None:
-            await anyio.to_thread.run_sync(self._send, snapshot, handle)
+            self._send(snapshot, handle)  # no round trip: a send, on the loop thread
         else:  # the copy has already ended: as at its end
             await anyio.to_thread.run_sync(self._hand_over, snapshot, handle, staging.error)
 
@@ -220,32 +223,31 @@ class RemoteService:
             abandon(self.group, snapshot.step, snapshot.attempt, f"its staging failed ({error})")
 
     def _send(self, snapshot: Snapshot, handle: SaveHandle) -> None:
-        """Send one save's description and register its handle once accepted; gives the
-        buffer back if it raises. A worker or the copier's thread (it blocks)."""
+        """Send one save's description, its handle registered under the request's id
+        (the service's ``Accepted`` reply, read before that save's outcome, files it by
+        save); gives the buffer back if it raises. Any thread; it waits only while the
+        service's socket queue is full (a description larger than that queue)."""
         buffer = snapshot.buffer
         assert isinstance(buffer, SegmentBuffer)
+        ident = None
         try:
             desc = describe(snapshot)
             segment = buffer.segment
             assert segment is not None
-            reply, _ = self.conn.request(
-                p.Submit, writer=self.writer, segment=segment, snapshot=desc
-            )
+            ident = self.conn.new_id()
+            frame = p.encode(p.Submit(ident, self.writer, segment, desc))
+            with self._lock:
+                self._sent[ident] = (handle, snapshot.attempt)
+            self.conn.post(ident, frame)
         except BaseException:
-            self.release_buffer(buffer)
+            with self._lock:
+                ours = ident is None or self._sent.pop(ident, None) is not None
+            if ours:
+                self.release_buffer(buffer)
+            else:  # the loss of the service resolved the handle and gave its slot back
+                buffer.forget()
             raise
-        assert isinstance(reply, p.Accepted)
         buffer.forget()
-        with self._lock:
-            early = self._early.pop(reply.save, None)
-            lost = self.conn.lost if early is None else None
-            if early is None and lost is None:
-                self._saves[reply.save] = handle
-                self._attempts[reply.save] = snapshot.attempt
-        if early is not None:
-            self._outcome(handle, early)
-        elif lost is not None:
-            self._after_loss(handle, snapshot.attempt, lost)
 
     def _resolve(self, handle: SaveHandle, info: Any, error: BaseException | None) -> None:
         if handle.done():
@@ -256,18 +258,26 @@ class RemoteService:
         self._slots.release()
 
     def _event(self, message: p.Message) -> None:
-        """Reader thread: a save resolved, or a background error to report."""
+        """Reader thread: a save accepted or refused, a save resolved, or a background
+        error to report."""
         if isinstance(message, p.Notice):
             self.failures.add(error_from(message.error, message.message))
             return
+        if isinstance(message, p.Accepted | p.Error):
+            with self._lock:
+                handle, attempt = self._sent.pop(message.id)
+                if isinstance(message, p.Accepted):
+                    self._saves[message.save] = handle
+                    self._attempts[message.save] = attempt
+            if isinstance(message, p.Error):
+                self._resolve(handle, None, error_from(message.error, message.message))
+            return
         assert isinstance(message, p.Committed | p.Failed)
         with self._lock:
-            handle = self._saves.pop(message.save, None)
+            resolved = self._saves.pop(message.save, None)
             self._attempts.pop(message.save, None)
-            if handle is None:
-                self._early[message.save] = message  # its submit has not registered it yet
-                return
-        self._outcome(handle, message)
+        if resolved is not None:  # (None: resolved already, as the service went away)
+            self._outcome(resolved, message)
 
     def _outcome(self, handle: SaveHandle, message: p.Committed | p.Failed) -> None:
         if isinstance(message, p.Committed):
@@ -282,8 +292,11 @@ class RemoteService:
         with self._lock:
             saves, self._saves = self._saves, {}
             attempts, self._attempts = self._attempts, {}
+            sent, self._sent = self._sent, {}
         for save, handle in saves.items():
             self._after_loss(handle, attempts.get(save, 0), error)
+        for handle, attempt in sent.values():
+            self._after_loss(handle, attempt, error)
 
     def _after_loss(self, handle: SaveHandle, attempt: int, error: ServiceError) -> None:
         """Resolve a save the service did not report on. Alone: it failed (nothing of it
