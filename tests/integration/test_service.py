@@ -230,3 +230,18 @@ def test_a_save_the_service_refuses_after_save_returned_fails_its_handle(
             writer.save(3, {"t": torch.zeros(4)}).result(60)
     assert [c.step for c in checkpointd.list_checkpoints(root)] == [1]
     wait_for(lambda: status(service.socket).bytes_staged == 0)  # its segment freed
+
+
+def test_segments_asked_for_ahead_are_used_or_given_back(service: Service, tmp_path: Path) -> None:
+    root = str(tmp_path)
+    sizes = [1, 4, 1, 1, 3]  # MiB: each save asks ahead for its predecessor's size
+    with checkpointd.CheckpointWriter(root, service=service.socket) as writer:
+        for step, mib in enumerate(sizes):
+            if step == 3:  # refused before its capture reserves: the one asked ahead goes
+                with pytest.raises(checkpointd.UnsupportedValueError):
+                    writer.save(step + 10, {"x": object()})
+                wait_for(lambda: status(service.socket).bytes_staged == 0)
+            tensor = torch.full((mib * 2**18,), float(step))
+            writer.save(step, {"t": tensor}).result(60)
+            wait_for(lambda: status(service.socket).bytes_staged == 0)  # nothing left owned
+            assert torch.equal(checkpointd.load(root, step).state["t"], tensor)

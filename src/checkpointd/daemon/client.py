@@ -97,6 +97,12 @@ class Connection:
         """Send ``kind(id=..., **fields)`` and wait for its reply (and the fd beside it).
 
         Raises the error the service replied with, or ServiceError if it went away."""
+        return self.start(kind, **fields).result()
+
+    def start(self, kind: type[M], **fields: Any) -> Future[tuple[p.Message, int | None]]:
+        """Send ``kind(id=..., **fields)``; the future of its reply (and the fd beside it:
+        whoever takes the result closes it), which fails with the error the service
+        replied with, or ServiceError if it went away. Any thread."""
         future: Future[tuple[p.Message, int | None]] = Future()
         with self._lock:
             if self.lost is not None:
@@ -112,7 +118,7 @@ class Connection:
             with self._lock:
                 self._waiting.pop(ident, None)
             raise
-        return future.result()
+        return future
 
     def new_id(self) -> int:
         """An id for a request to ``post``."""
@@ -172,6 +178,8 @@ class Connection:
                     future.set_result((message, fd))
                 elif fd is not None:
                     os.close(fd)
+        except ConnectionResetError:  # it died with frames of ours unread
+            why = "went away (connection reset)"
         except (OSError, p.ProtocolError) as exc:
             why = f"broke the connection ({exc})"
         except BaseException as exc:  # a bug: still fail every waiter

@@ -116,6 +116,7 @@ class RemoteService:
         self._stopped: anyio.Event | None = None
         self._staging: set[SaveHandle] = set()  # overlapped saves not yet handed over
         self._mappings = Mappings()
+        self._ahead: int | None = None  # bytes the last capture reserved: asked for ahead
         conn.on_event = self._event
         conn.on_lost = self._lost
         policy = options.policy
@@ -164,12 +165,13 @@ class RemoteService:
         # wait stays cancellable (an interrupted save()).
         while not self._slots.acquire(blocking=False):  # noqa: ASYNC110
             await anyio.sleep(0.002)
-        return SegmentBuffer(self.conn, self._mappings)
+        return SegmentBuffer(self.conn, self._mappings, ahead=self._ahead)
 
     def release_buffer(self, buffer: StagingBuffer) -> None:
         """Give back a buffer whose save was never submitted (its capture failed)."""
         assert isinstance(buffer, SegmentBuffer)
         segment = buffer.segment
+        buffer.cancel_ahead()
         buffer.forget()
         self._slots.release()
         if segment is not None and self.conn.lost is None:
@@ -239,6 +241,7 @@ class RemoteService:
             with self._lock:
                 self._sent[ident] = (handle, snapshot.attempt)
             self.conn.post(ident, frame)
+            self._ahead = buffer.nbytes
         except BaseException:
             with self._lock:
                 ours = ident is None or self._sent.pop(ident, None) is not None
@@ -263,9 +266,14 @@ class RemoteService:
         if isinstance(message, p.Notice):
             self.failures.add(error_from(message.error, message.message))
             return
+        if isinstance(message, p.Ok):  # a segment given back (SegmentBuffer.cancel_ahead)
+            return
         if isinstance(message, p.Accepted | p.Error):
             with self._lock:
-                handle, attempt = self._sent.pop(message.id)
+                sent = self._sent.pop(message.id, None)
+                if sent is None:
+                    return
+                handle, attempt = sent
                 if isinstance(message, p.Accepted):
                     self._saves[message.save] = handle
                     self._attempts[message.save] = attempt

@@ -9,10 +9,12 @@ import contextlib
 import mmap
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from checkpointd.errors import CheckpointError, ServiceError
 from checkpointd.write.capture import StagingBuffer
 
 from . import protocol as p
@@ -73,27 +75,56 @@ def _unmap(mapped: mmap.mmap) -> None:
 
 
 class SegmentBuffer(StagingBuffer):
-    """A staging buffer whose arena is a new service segment at each reserve."""
+    """A staging buffer whose arena is a new service segment at each reserve.
 
-    def __init__(self, conn: Connection, mappings: Mappings) -> None:
+    ``ahead``: a size to ask the service for at once (the previous save's), so that the
+    round trip overlaps the capture's walk of the state; the capture takes that segment
+    if it fits what it needs (at most twice as large, as the service reuses a spare),
+    else gives it back and asks for its own."""
+
+    def __init__(self, conn: Connection, mappings: Mappings, ahead: int | None = None) -> None:
         super().__init__(self._allocate)
         self._conn = conn
         self._mappings = mappings
         self.segment: int | None = None
+        self.nbytes = 0
+        """Bytes the last reserve asked for."""
         self._pinned: int | None = None  # the address registered with CUDA
+        self._ahead = None if ahead is None else (ahead, conn.start(p.Alloc, nbytes=ahead))
 
     def _allocate(self, nbytes: int, pinned: bool) -> torch.Tensor:
         self.forget()
-        reply, fd = self._conn.request(p.Alloc, nbytes=nbytes)
+        reply, fd = self._take_ahead(nbytes) or self._conn.request(p.Alloc, nbytes=nbytes)
         assert isinstance(reply, p.Segment)
         assert fd is not None
-        self.segment = reply.segment
-        mapped = self._mappings.map(fd, nbytes)
+        self.segment, self.nbytes = reply.segment, nbytes
+        mapped = self._mappings.map(fd, reply.size)
         arena = torch.frombuffer(mapped, dtype=torch.uint8, count=max(nbytes, 1))
         if pinned and torch.cuda.is_available():
             _cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
             self._pinned = arena.data_ptr()
         return arena[:nbytes] if nbytes else arena
+
+    def _take_ahead(self, nbytes: int) -> tuple[p.Message, int | None] | None:
+        """The segment asked for ahead if it fits ``nbytes``; else None (given back)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        size, future = ahead
+        if nbytes <= size <= 2 * max(nbytes, 1):
+            try:
+                return future.result()
+            except CheckpointError:  # refused at that size: ask for what is needed
+                return None
+        _give_back(self._conn, future)
+        return None
+
+    def cancel_ahead(self) -> None:
+        """Give back the segment asked for ahead if no reserve took it (the capture
+        failed first); it need not have arrived yet."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            _give_back(self._conn, ahead[1])
 
     def forget(self) -> None:
         """Drop the arena; the segment is no longer ours (its mapping stays in
@@ -103,6 +134,24 @@ class SegmentBuffer(StagingBuffer):
         if self._pinned is not None:
             _cudart().cudaHostUnregister(self._pinned)
             self._pinned = None
+
+
+def _give_back(conn: Connection, future: Future[tuple[p.Message, int | None]]) -> None:
+    """Free the segment ``future`` brings once it arrives (on the connection's reader
+    thread if it has not yet), without waiting for the service's answer."""
+
+    def free(done: Future[tuple[p.Message, int | None]]) -> None:
+        if done.exception() is not None:
+            return
+        reply, fd = done.result()
+        if fd is not None:
+            os.close(fd)
+        assert isinstance(reply, p.Segment)
+        with contextlib.suppress(ServiceError):  # gone: its memory went with it
+            ident = conn.new_id()
+            conn.post(ident, p.encode(p.Free(ident, reply.segment)))
+
+    future.add_done_callback(free)
 
 
 def _cudart() -> Any:
