@@ -289,3 +289,38 @@ def wait_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 1
         assert proc.wait(timeout) == 0, (out / f"stderr{rank}.txt").read_text()
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str:
+    """Flip one byte in the middle of the largest held file of ``step``, writing into
+    the service's segment through its memfd in /proc (as a stray write would); returns
+    that file's path (relative to the step folder)."""
+    from checkpointd.daemon import protocol as p
+    from checkpointd.daemon.client import connect
+
+    borrower = connect(socket, start=False)
+    try:
+        reply, fd = borrower.request(p.Lookup, root=root, storage_options=None, step=step)
+        assert isinstance(reply, p.Held)
+        assert fd is not None
+        os.close(fd)
+    finally:
+        borrower.close()
+    file = max(reply.files, key=lambda f: f.length)
+    at = file.offset + file.length // 2
+    folder = Path(f"/proc/{service_pid}/fd")
+    segments = {  # one per memfd (the service may hold several fds of one)
+        fd.stat().st_ino: fd
+        for fd in folder.iterdir()
+        if os.readlink(fd).startswith("/memfd:checkpointd-")
+    }
+    assert segments
+    for segment in segments.values():  # the held one and any spare: flip each once
+        with open(segment, "r+b") as memory:
+            if os.fstat(memory.fileno()).st_size < at + 1:
+                continue
+            memory.seek(at)
+            byte = memory.read(1)
+            memory.seek(at)
+            memory.write(bytes([byte[0] ^ 0xFF]))
+    return file.path

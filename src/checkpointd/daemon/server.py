@@ -198,7 +198,8 @@ class Server:
 
     async def _lookup(self, conn: Conn, message: p.Lookup) -> None:
         """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
-        held = self.tier.find(root_key(message.root, message.storage_options), message.step)
+        key = root_key(message.root, message.storage_options)
+        held = self.tier.find(key, message.step, message.rank)
         if held is None:
             await conn.send(p.NotHeld(message.id))
             return

@@ -257,6 +257,7 @@ class WriteService:
             manifest = await publish_plan(
                 self.store, plan, limiter, identity=self.identity, chunk_bytes=self.chunk_bytes
             )
+            self.committed_plan(plan)
             return info_of(self.store, manifest), manifest
         from checkpointd.ranks.commit import commit_ranked
 
@@ -269,7 +270,13 @@ class WriteService:
             identity=self.identity,
             chunk_bytes=self.chunk_bytes,
         )
+        self.committed_plan(plan)
         return info, None
+
+    def committed_plan(self, plan: SavePlan) -> None:
+        """Called on the loop with each plan once it is committed, before its handle
+        resolves; nothing here (the checkpoint service's writers keep it for their
+        memory tier)."""
 
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
