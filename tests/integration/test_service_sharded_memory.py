@@ -224,19 +224,28 @@ def test_a_step_committed_again_with_other_bytes_is_never_served_from_memory(
         (root / f"{1:012d}").rename(tmp_path / "replaced")
         folder.rename(root / f"{1:012d}")
         listed = decode_manifest((root / f"{1:012d}" / "manifest.json").read_bytes()).files
-        sizes = {f.path: (f.size, f.crc32c) for f in listed}
-        held = _held_files(services[0].socket, str(root), 1)
-        # the hard case: same path and size, another CRC32C (a shard file at least)
-        assert [
-            f.path
-            for f in held
-            if f.path in sizes
-            and sizes[f.path][0] == len(f.head) + f.length
-            and sizes[f.path][1] != f.crc32c
-            and ".rank0." in f.path
-        ]
+        stored = {f.path: (f.size, f.crc32c) for f in listed}
+        held = {
+            f.path: (len(f.head) + f.length, f.crc32c)
+            for f in _held_files(services[0].socket, str(root), 1)
+        }
+        same_bytes = sorted(path for path in held if stored.get(path) == held[path])
+        other_bytes = sorted(
+            path for path in held if path in stored and stored[path][0] == held[path][0]
+        )
+        other_bytes = [path for path in other_bytes if path not in same_bytes]
+        # the hard case: rank 0's shard files under the same paths and sizes, other CRC32Cs;
+        # files whose bytes did not change (the trees of the model and the progress) agree
+        assert [path for path in other_bytes if ".rank0." in path], other_bytes
+        assert same_bytes, held
+        assert not [path for path in same_bytes if ".rank" in path]
         restored = job(
             "restore", "fsdp2", str(root), tmp_path / "r", WORLD, CHECKPOINTD_TEST_SERVICES=sockets
         )
-    assert _sources(restored, WORLD) == ["storage", "storage"]
+    # Only the unchanged files came from memory (a rule of path and size alone would have
+    # served the stale shards: restore's CRC32C check would then have failed the memory
+    # copy as a whole, "storage"); every shard byte came from storage, and the state is
+    # the one committed again.
+    assert _sources(restored, WORLD) == ["memory+storage", "memory+storage"]
+    assert all(read > 0 for read in _shard_bytes_read(restored, WORLD))
     check_restored(again, restored)
