@@ -249,3 +249,33 @@ def test_a_step_committed_again_with_other_bytes_is_never_served_from_memory(
     assert _sources(restored, WORLD) == ["memory+storage", "memory+storage"]
     assert all(read > 0 for read in _shard_bytes_read(restored, WORLD))
     check_restored(again, restored)
+
+
+def test_shard_index_files_are_held_with_their_ranks_shares(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    index = {"CHECKPOINTD_TEST_SHARD_INDEX": "1"}  # shard entries in per-rank index files
+    with services_per_rank(WORLD, shard_index=True) as services:
+        sockets = ",".join(s.socket for s in services)
+        saved = job(
+            "save", "fsdp2", root, tmp_path / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, **index,
+        )  # fmt: skip
+        _settled(services, 1)
+        for rank, service in enumerate(services):
+            names = [f.path for f in _held_files(service.socket, root, 1)]
+            assert [n for n in names if n.startswith("shards.")] == [
+                n for n in names if n.startswith("shards.") and n.endswith(f".rank{rank}.json")
+            ]
+            assert [n for n in names if n.startswith("shards.")], names
+        restored = job(
+            "restore", "fsdp2", root, tmp_path / "r", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, **index,
+        )  # fmt: skip
+    manifest = decode_manifest((Path(root) / f"{1:012d}" / "manifest.json").read_bytes())
+    assert len(manifest.shard_indexes) == WORLD  # the shard entries are in the indexes
+    reports = [json.loads((restored / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    # each rank read its own index and shards, all from its service's memory
+    assert [(r["source"], r["indexes_read"], r["shard_bytes_read"]) for r in reports] == [
+        ("memory", [], 0)
+    ] * WORLD
+    check_restored(saved, restored)

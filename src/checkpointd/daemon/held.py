@@ -8,15 +8,18 @@ thread, after the save committed and before its client hears so. Imports torch (
   vouches for each file instead: the files whose bytes this rank's segment has (those
   of replicated components, which every rank holds alike whichever rank wrote them;
   this rank's shard and per-rank files; its shard index file), each with its CRC32C.
-  For a file this rank's commit wrote, that is the manifest's entry (computed over
+  For a file this rank's commit wrote, that is the entry it committed (computed over
   these very bytes as they streamed); for a replicated file another rank wrote, it
   is computed here over this rank's bytes (for FSDP2/TP the trees and the small
-  unsharded tensors; for DDP about (W-1)/W of the state: one CRC32C pass). A client
-  serves a file only if storage's manifest lists that path, size and CRC32C
-  (recall.py). Incremental saves (blobs, refs) are not held either way.
+  unsharded tensors; for DDP about (W-1)/W of the state: one CRC32C pass). Nothing
+  is read back from storage (the manifest grows with the job). A client serves a
+  file only if storage's manifest lists that path, size and CRC32C (recall.py).
+  Incremental saves (blobs, refs) are not held either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import (
@@ -26,6 +29,7 @@ from checkpointd.format.layout import (
     tensor_file_name,
     tree_file_name,
 )
+from checkpointd.format.manifest import FileEntry
 from checkpointd.ranks.merge import shard_index, written_shards
 from checkpointd.read.catalog import read_manifest
 from checkpointd.write.capture import CapturedComponent
@@ -36,19 +40,31 @@ from . import protocol as p
 from .memtier import HeldCheckpoint
 from .shm import MappedSegment
 
-__all__ = ["held_checkpoint"]
+__all__ = ["Committed", "held_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a save committed: its plan, and the entries (size, CRC32C) of the files this
+    process wrote of it (``WriteService.committed_plan``)."""
+
+    plan: SavePlan
+    written: list[FileEntry]
 
 
 def held_checkpoint(
-    service: WriteService, snapshot: Snapshot, plan: SavePlan | None, segment: MappedSegment
+    service: WriteService,
+    snapshot: Snapshot,
+    committed: Committed | None,
+    segment: MappedSegment,
 ) -> HeldCheckpoint | None:
-    """What the memory tier keeps of ``snapshot``, just committed by ``service`` with
-    ``plan`` (the plan it committed, None if unknown), or None: nothing to hold."""
+    """What the memory tier keeps of ``snapshot``, just committed by ``service``
+    (``committed``: what it committed, None if unknown), or None: nothing to hold."""
     if service.group is None:
         return _held_alone(service, snapshot, segment)
-    if plan is None or service.incremental is not None:
+    if committed is None or service.incremental is not None:
         return None
-    return _held_share(service, snapshot, plan, segment)
+    return _held_share(service, snapshot, committed, segment)
 
 
 def _held_alone(
@@ -84,13 +100,14 @@ def _held_alone(
 
 
 def _held_share(
-    service: WriteService, snapshot: Snapshot, plan: SavePlan, segment: MappedSegment
+    service: WriteService, snapshot: Snapshot, committed: Committed, segment: MappedSegment
 ) -> HeldCheckpoint | None:
-    """One rank's share of a many-rank save (see the module docstring); None if the
-    manifest on storage lists none of the files this rank holds."""
+    """One rank's share of a many-rank save (see the module docstring); None if it
+    holds no file."""
     group = service.group
     assert group is not None
-    listed = {f.path: f for f in read_manifest(service.store, snapshot.step).files}
+    plan = committed.plan
+    written = {f.path: f for f in committed.written}
     token = f"{group.token}{snapshot.attempt}"  # as the write service named the files
     components = {c.name: c for c in snapshot.components}
     items = [f for f in plan.files if isinstance(f, WriteFile | RankFile)]  # not blobs
@@ -102,13 +119,13 @@ def _held_share(
     files: list[p.HeldFile] = []
     for item in items:
         placed = _placed(item, components.get(item.component), token)
-        entry = listed.get(item.name)
-        if placed is None or entry is None:
+        if placed is None:
             continue
         head, offset, length = placed
-        if entry.size != len(head) + length:
-            continue
         if item.rank == group.rank:  # this rank's commit wrote it from these bytes
+            entry = written.get(item.name)
+            if entry is None or entry.size != len(head) + length:
+                continue
             digest = entry.crc32c
         else:
             digest = crc32c(head)

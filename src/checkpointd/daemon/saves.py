@@ -23,6 +23,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from checkpointd import errors, tunables
+from checkpointd.format.manifest import FileEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.hosted import open_hosted
 from checkpointd.storage import open_store
@@ -32,7 +33,7 @@ from checkpointd.write.plan import SavePlan, Snapshot
 
 from . import protocol as p
 from .conn import Conn
-from .held import held_checkpoint
+from .held import Committed, held_checkpoint
 from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
 from .shm import MappedSegment
@@ -52,17 +53,18 @@ class HostedWriteService(WriteService):
         """Not returned to the pool: the memory tier may keep the segment's bytes, or
         ``Saves`` frees them, once the save has resolved."""
 
-    def committed_plan(self, plan: SavePlan) -> None:
-        """Keep ``plan`` (just committed) until ``take_plan`` (its save's ``_finish``)."""
-        self.plans[plan.step] = plan
+    def committed_plan(self, plan: SavePlan, written: list[FileEntry]) -> None:
+        """Keep ``plan`` (just committed) and the entries of the files written of it until
+        ``take_plan`` (its save's ``_finish``)."""
+        self.plans[plan.step] = Committed(plan, written)
 
-    def take_plan(self, step: int) -> SavePlan | None:
-        """The plan ``step`` committed with, forgotten here (None if it did not commit)."""
+    def take_plan(self, step: int) -> Committed | None:
+        """What ``step`` committed, forgotten here (None if it did not commit)."""
         return self.plans.pop(step, None)
 
     @functools.cached_property
-    def plans(self) -> dict[int, SavePlan]:
-        """The plans committed whose saves have not finished yet, by step."""
+    def plans(self) -> dict[int, Committed]:
+        """What the saves that have not finished yet committed, by step."""
         return {}
 
 
@@ -193,10 +195,10 @@ class Saves:
     ) -> None:
         """Once a save resolves: tell its client (if still there), keep or free its segment."""
         try:
-            plan = None
+            committed = None
             try:
                 info = await handle.wait()
-                plan = writer.service.take_plan(snapshot.step)
+                committed = writer.service.take_plan(snapshot.step)
             except Exception as exc:
                 error = first_leaf(exc)
                 self.failed += 1
@@ -208,7 +210,7 @@ class Saves:
             self.committed += 1
             try:
                 held = await anyio.to_thread.run_sync(
-                    held_checkpoint, writer.service, snapshot, plan, segment
+                    held_checkpoint, writer.service, snapshot, committed, segment
                 )
             except Exception as exc:  # reading the manifest back failed: do not hold it
                 _log.warning("not holding step %d in memory: %r", snapshot.step, exc, exc_info=True)
