@@ -5,6 +5,7 @@ then restore with ``service=`` that node's socket. Each rank's service holds its
 from storage, and must give the state back bit for bit (gathered to whole tensors by
 torch.distributed.checkpoint.state_dict). A damaged held byte, or a step committed
 again on storage with other bytes under the same names, is never served from memory.
+Also: ranks sharing one service, shard index files, and a root on S3 (moto).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from checkpointd.daemon.client import connect, status
 from checkpointd.format.manifest import Manifest, decode_manifest, encode_manifest
 from tests.integration.test_sharded import check_restored, job, same
 from tests.support.launch import hosted_store
+from tests.support.s3 import MotoS3
 from tests.support.service import (
     Service,
     damage_held_copy,
@@ -278,4 +280,32 @@ def test_shard_index_files_are_held_with_their_ranks_shares(tmp_path: Path) -> N
     assert [(r["source"], r["indexes_read"], r["shard_bytes_read"]) for r in reports] == [
         ("memory", [], 0)
     ] * WORLD
+    check_restored(saved, restored)
+
+
+def test_on_s3_a_resharded_restore_reads_memory_where_held_and_s3_for_the_rest(
+    moto_s3: MotoS3, tmp_path: Path
+) -> None:
+    bucket = f"svc-held-{tmp_path.name[-16:].lower().replace('_', '-')}"
+    moto_s3.create_bucket(bucket)
+    root = f"s3://{bucket}/run"
+    options = {"CHECKPOINTD_TEST_OPTIONS": json.dumps(moto_s3.storage_options())}
+    with services_per_rank(WORLD) as services, running_service() as fresh:
+        sockets = ",".join(s.socket for s in services)
+        saved = job(
+            "save", "fsdp2", root, tmp_path / "save", WORLD,
+            CHECKPOINTD_TEST_SERVICES=sockets, **options,
+        )  # fmt: skip
+        _settled(services, 1)
+        sockets = ",".join([*(s.socket for s in services), fresh.socket])
+        restored = job(
+            "restore",
+            "fsdp2",
+            root,
+            tmp_path / "r",
+            3,
+            CHECKPOINTD_TEST_SERVICES=sockets,
+            **options,
+        )
+    assert _sources(restored, 3) == ["memory", "memory+storage", "storage"]
     check_restored(saved, restored)
