@@ -16,16 +16,18 @@ WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
 save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
+CHECKPOINTD_TEST_TRAIN_STEPS (training steps before ``save``, default 2),
 CHECKPOINTD_TEST_SHARD_INDEX=1 (shard entries in shard index files whatever the job's
 size: tunables.SHARD_INDEX_MIN_ENTRIES 0), CHECKPOINTD_TEST_SERVICES (comma-separated
-socket paths: rank R saves through the checkpoint service at the R-th; its store is then
-the job's TCP store, hosted by rank 0's process as tcp:// init hosts it),
-CHECKPOINTD_TEST_STAGING (the writer's ``staging``; with ``overlapped`` the copy is
-held until ``save()`` returned, reported as ``staged_at_return``, then the training
-step after the save runs while it copies), CHECKPOINTD_TEST_ASYNC=1 (save with an
-AsyncCheckpointWriter under asyncio). Reports also
-carry ``shard_bytes_read``: distinct bytes this rank read from shard files, and
-``indexes_read``: the shard index files it read.
+socket paths: rank R saves through the checkpoint service at the R-th, or restores with
+``service=`` that one; its store is then the job's TCP store, hosted by rank 0's process
+as tcp:// init hosts it), CHECKPOINTD_TEST_STAGING (the writer's ``staging``; with
+``overlapped`` the copy is held until ``save()`` returned, reported as
+``staged_at_return``, then the training step after the save runs while it copies),
+CHECKPOINTD_TEST_ASYNC=1 (save with an AsyncCheckpointWriter under asyncio). Reports also
+carry ``shard_bytes_read``: distinct bytes this rank read from shard files on storage
+(local or fsspec; not those the memory tier served), ``indexes_read``: the shard index
+files it read, and for a restore ``source``: its ``RestoreInfo.source``.
 """
 
 from __future__ import annotations
@@ -176,17 +178,20 @@ def main() -> None:
         _report(out, rank, result)
         dist.destroy_process_group()
         return
+    services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
+    service = services.split(",")[rank] if services else None
     try:
         gather = full_state if mode != "plain" else _plain_state
         if action == "save":
             model, optimizer = build(mode, world, seed=0)
-            train(model, optimizer, 2)
+            train(model, optimizer, int(os.environ.get("CHECKPOINTD_TEST_TRAIN_STEPS", "2")))
             state = gather(model, optimizer)
-            save(root, rank, model, optimizer, options=options, result=result)
+            save(root, service, model, optimizer, options=options, result=result)
         else:
             model, optimizer = build(mode, world, seed=1)
             targets = {"model": model, "optimizer": optimizer, "progress": {}}
-            checkpointd.restore(root, targets, storage_options=options)
+            info = checkpointd.restore(root, targets, storage_options=options, service=service)
+            result["source"] = info.source
             state = gather(model, optimizer)
             train(model, optimizer, 1)  # the restored optimizer must work, not only load
         after = gather(model, optimizer)
@@ -204,7 +209,7 @@ def main() -> None:
 
 def save(
     root: str,
-    rank: int,
+    service: str | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
@@ -214,11 +219,10 @@ def save(
     """Save step 1 with the writer the environment asks for, then train one step: with
     overlapped staging while the save is still copying (the step waits for its copy),
     otherwise once it committed. Records ``blocked`` (seconds ``save()`` blocked)."""
-    services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
     kwargs: dict[str, Any] = {
         "storage_options": options,
         "incremental": os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1",
-        "service": services.split(",")[rank] if services else None,
+        "service": service,
         "staging": os.environ.get("CHECKPOINTD_TEST_STAGING", "blocking"),
     }
     state = {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
