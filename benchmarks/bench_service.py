@@ -14,7 +14,9 @@ Same state, interleaved repetitions, medians and ratios:
   how many of those checkpoints committed, each checked bit-exact;
 - a 2-rank gloo FSDP2 job (service_rank_worker.py, a service per rank at the default
   priority and one at the trainer's): ``save()`` blocked and time until durable,
-  in-process vs through the service, each the slowest rank's.
+  in-process vs through the service, each the slowest rank's; and a restart's
+  ``restore`` on both ranks from their services' memory tier vs from local disk with a
+  cold page cache (the slowest rank's).
 
 ``python -m benchmarks.bench_service [--layers 12 --width 1024] [--reps 5] [--kills 50]
 [--fsdp2-mb 64] [--no-training]`` (the default state is bench_save's 604 MB model; the
@@ -291,6 +293,9 @@ def run(
                 for measure in ("blocked", "durable")
                 for kind in ("service", "service_nice0")
             },
+            "restore disk_cold/memory": table.ratio(
+                "fsdp2.restore.disk_cold", "fsdp2.restore.memory"
+            ),
         },
         "table": table,
     }
@@ -330,6 +335,8 @@ def report(results: dict[str, Any]) -> list[str]:
             for kind in ("firstblocked", "blocked", "firstdurable", "durable"):
                 series = f"fsdp2.{name}.{kind}"
                 lines.append(f"    {series:<32} {fmt_seconds(table[series])}")
+        for series in ("fsdp2.restore.memory", "fsdp2.restore.disk_cold"):
+            lines.append(f"    {series:<32} {fmt_seconds(table[series])}")
         for name, value in fsdp2.items():
             if name != "state_bytes":
                 lines.append(f"    fsdp2 {name:<38} {value:.2f}x")

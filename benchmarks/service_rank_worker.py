@@ -9,8 +9,10 @@ default group, the order rotating from one repetition to the next: in-process
 (FOLDER/inproc), and one per service kind of SOCKETS (``KIND=S0,S1;KIND=S0,S1``: this
 rank uses the RANK-th socket; FOLDER/KIND). Each save's ``save()`` blocked and time
 until durable (its handle's ``blocked_seconds``/``durable_seconds``), with a barrier
-before each save. Writes OUT/rankR.json: ``{"inproc": [[blocked, durable], ...],
-KIND: [...]}``.
+before each save; then REPS restores of the first service kind's root from the memory
+tier (each rank from its own service) and of the in-process root from local disk with
+a cold page cache. Writes OUT/rankR.json: ``{"inproc": [[blocked, durable], ...],
+KIND: [...], "restore": [[memory, disk_cold], ...]}``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 import checkpointd
-from benchmarks.common import Table
+from benchmarks.common import Table, drop_cache
 from benchmarks.rank_worker import WIDTH, build
 
 WARMUP = 2
@@ -99,6 +103,9 @@ def fsdp2_rows(
             for f in kind_folders:
                 shutil.rmtree(f, ignore_errors=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rows in zip(*(r["restore"] for r in ranks), strict=True):
+        table.add("fsdp2.restore.memory", max(m for m, _ in rows))
+        table.add("fsdp2.restore.disk_cold", max(d for _, d in rows))
     for name in ("inproc", *SERVICES):
         for rep, per_rank in enumerate(zip(*(r[name] for r in ranks), strict=True)):
             kind = "first" if rep < WARMUP else ""
@@ -112,6 +119,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _restores(
+    state: dict[str, Any], folder: str, kind: str, socket: str, reps: int
+) -> list[list[float]]:
+    """``reps`` times: [seconds to restore the newest step of FOLDER/KIND from its
+    services' memory tier (every rank's files from its own service), seconds to restore
+    the in-process root's from local disk with a cold page cache], each after a
+    barrier; AssertionError unless every file came from memory."""
+    rows = []
+    for _ in range(reps):
+        dist.barrier()
+        started = time.perf_counter()
+        info = checkpointd.restore(os.path.join(folder, kind), state, service=socket)
+        memory = time.perf_counter() - started
+        assert info.source == "memory", info.source
+        drop_cache(Path(folder) / "inproc")
+        dist.barrier()
+        started = time.perf_counter()
+        info = checkpointd.restore(os.path.join(folder, "inproc"), state)
+        rows.append([memory, time.perf_counter() - started])
+    return rows
 
 
 def main() -> None:
@@ -142,6 +171,8 @@ def main() -> None:
     finally:
         for writer in writers.values():
             writer.close()
+    kind, paths = sockets.split(";")[0].split("=")
+    times["restore"] = _restores(state, folder, kind, paths.split(",")[rank], reps)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
     dist.destroy_process_group()

@@ -4,7 +4,6 @@ step is the very one held; ``--memory-limit`` evicts, holds saves back, or refus
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import threading
@@ -20,7 +19,7 @@ from checkpointd.daemon.client import connect, status
 from checkpointd.daemon.paths import parse_size
 from checkpointd.daemon.shm import map_fd
 from checkpointd.errors import InvalidArgumentError, ServiceMemoryError
-from tests.support.service import reap, running_service, trainer
+from tests.support.service import damage_held_copy, reap, running_service, trainer
 from tests.support.service_jobs import expected_state
 
 MIB = 1024 * 1024
@@ -209,36 +208,6 @@ def test_a_lent_segment_never_changes_and_a_module_lands_from_memory(tmp_path: P
     assert torch.equal(fresh.bias, model.bias)
 
 
-def _damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> None:
-    """Flip one byte in the middle of the largest held file of ``step``, writing into
-    the service's segment through its memfd in /proc (as a stray write would)."""
-    borrower = connect(socket, start=False)
-    try:
-        reply, fd = borrower.request(p.Lookup, root=root, storage_options=None, step=step)
-        assert isinstance(reply, p.Held)
-        assert fd is not None
-        os.close(fd)
-    finally:
-        borrower.close()
-    file = max(reply.files, key=lambda f: f.length)
-    at = file.offset + file.length // 2
-    folder = Path(f"/proc/{service_pid}/fd")
-    segments = {  # one per memfd (the service may hold several fds of one)
-        fd.stat().st_ino: fd
-        for fd in folder.iterdir()
-        if os.readlink(fd).startswith("/memfd:checkpointd-")
-    }
-    assert segments
-    for segment in segments.values():  # the held one and any spare: flip each once
-        with open(segment, "r+b") as memory:
-            if os.fstat(memory.fileno()).st_size < at + 1:
-                continue
-            memory.seek(at)
-            byte = memory.read(1)
-            memory.seek(at)
-            memory.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_damaged_memory_copy_is_never_served(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     torch.manual_seed(0)
@@ -251,7 +220,7 @@ def test_a_damaged_memory_copy_is_never_served(tmp_path: Path) -> None:
         assert (info.source, info.step) == ("memory", 1)
         assert torch.equal(fresh.weight, model.weight)
         assert torch.equal(fresh.bias, model.bias)
-        _damage_held_copy(service.proc.pid, service.socket, root, 1)
+        damage_held_copy(service.proc.pid, service.socket, root, 1)
         fresh = torch.nn.Linear(1536, 1536)
         info = checkpointd.restore(root, {"model": fresh}, service=service.socket)
         assert (info.source, info.step) == ("storage", 1)

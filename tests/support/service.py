@@ -92,13 +92,20 @@ def socket_folder() -> str:
 
 
 def start_service(
-    folder: str, *args: str, gate: str | None = None, hold: str = "make_dir"
+    folder: str,
+    *args: str,
+    gate: str | None = None,
+    hold: str = "make_dir",
+    shard_index: bool = False,
 ) -> Service:
     """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
-    every save's writes wait until that file exists (service_jobs.held_serve)."""
+    every save's writes wait until that file exists (service_jobs.held_serve); with
+    ``shard_index``, many-rank saves write shard index files (service_jobs.indexed_serve)."""
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
     command = ["-m", "checkpointd", "serve"]
+    if shard_index:
+        command = ["-m", "tests.support.service_jobs", "indexed-serve", "--"]
     if gate is not None:
         command = ["-m", "tests.support.service_jobs", "held-serve", gate, hold, "--"]
     with log.open("ab") as out:
@@ -217,14 +224,17 @@ def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
 
 
 @contextmanager
-def services_per_rank(world: int, gate: str | None = None) -> Iterator[list[Service]]:
+def services_per_rank(
+    world: int, gate: str | None = None, *, shard_index: bool = False
+) -> Iterator[list[Service]]:
     """One real service per rank (a "node" each), each in a socket folder of its own;
-    ``gate``: their writes held until that file exists (``start_service``)."""
+    ``gate``: their writes held until that file exists, ``shard_index``: they write
+    shard index files (``start_service``)."""
     folders = [socket_folder() for _ in range(world)]
     running: list[Service] = []
     try:
         for folder in folders:
-            running.append(start_service(folder, gate=gate))
+            running.append(start_service(folder, gate=gate, shard_index=shard_index))
         yield running
     finally:
         for service in running:
@@ -289,3 +299,38 @@ def wait_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 1
         assert proc.wait(timeout) == 0, (out / f"stderr{rank}.txt").read_text()
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str:
+    """Flip one byte in the middle of the largest held file of ``step``, writing into
+    the service's segment through its memfd in /proc (as a stray write would); returns
+    that file's path (relative to the step folder)."""
+    from checkpointd.daemon import protocol as p
+    from checkpointd.daemon.client import connect
+
+    borrower = connect(socket, start=False)
+    try:
+        reply, fd = borrower.request(p.Lookup, root=root, storage_options=None, step=step)
+        assert isinstance(reply, p.Held)
+        assert fd is not None
+        os.close(fd)
+    finally:
+        borrower.close()
+    file = max(reply.files, key=lambda f: f.length)
+    at = file.offset + file.length // 2
+    folder = Path(f"/proc/{service_pid}/fd")
+    segments = {  # one per memfd (the service may hold several fds of one)
+        fd.stat().st_ino: fd
+        for fd in folder.iterdir()
+        if os.readlink(fd).startswith("/memfd:checkpointd-")
+    }
+    assert segments
+    for segment in segments.values():  # the held one and any spare: flip each once
+        with open(segment, "r+b") as memory:
+            if os.fstat(memory.fileno()).st_size < at + 1:
+                continue
+            memory.seek(at)
+            byte = memory.read(1)
+            memory.seek(at)
+            memory.write(bytes([byte[0] ^ 0xFF]))
+    return file.path

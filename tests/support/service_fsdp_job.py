@@ -36,7 +36,8 @@ def main() -> None:
             if rank == 0:
                 torch.save(expected, os.path.join(out, f"expected{step}.pt"))
             dist.barrier()  # rank 0's file is written before any rank reports
-            handles.append(writer.save(step, {"model": model, "optimizer": optimizer}))
+            state = {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
+            handles.append(writer.save(step, state))  # shard_job's components
             print(f"returned {step}", flush=True)
         for handle in handles:
             handle.result(120)

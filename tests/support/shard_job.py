@@ -16,12 +16,15 @@ WORLD must be 1). ACTION ``refused`` tries saves that must be refused (see
 ``refused``). Environment: CHECKPOINTD_TEST_OPTIONS
 (JSON storage options, for S3), CHECKPOINTD_TEST_BLOCK (the shard block size at
 save), CHECKPOINTD_TEST_INCREMENTAL=1 (save with incremental=True),
+CHECKPOINTD_TEST_TRAIN_STEPS (training steps before ``save``, default 2),
 CHECKPOINTD_TEST_SHARD_INDEX=1 (shard entries in shard index files whatever the job's
 size: tunables.SHARD_INDEX_MIN_ENTRIES 0), CHECKPOINTD_TEST_SERVICES (comma-separated
-socket paths: rank R saves through the checkpoint service at the R-th; its store is then
-the job's TCP store, hosted by rank 0's process as tcp:// init hosts it). Reports also
-carry ``shard_bytes_read``: distinct bytes this rank read from shard files, and
-``indexes_read``: the shard index files it read.
+socket paths: rank R saves through the checkpoint service at the R-th, or restores with
+``service=`` that one; its store is then the job's TCP store, hosted by rank 0's process
+as tcp:// init hosts it). Reports also carry ``shard_bytes_read``: distinct bytes this
+rank read from shard files on storage (local or fsspec; not those the memory tier
+served), ``indexes_read``: the shard index files it read, and for a restore
+``source``: its ``RestoreInfo.source``.
 """
 
 from __future__ import annotations
@@ -169,17 +172,15 @@ def main() -> None:
         _report(out, rank, result)
         dist.destroy_process_group()
         return
+    services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
+    service = services.split(",")[rank] if services else None
     try:
         if action == "save":
             model, optimizer = build(mode, world, seed=0)
-            train(model, optimizer, 2)
+            train(model, optimizer, int(os.environ.get("CHECKPOINTD_TEST_TRAIN_STEPS", "2")))
             incremental = os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1"
-            services = os.environ.get("CHECKPOINTD_TEST_SERVICES")
             with checkpointd.CheckpointWriter(
-                root,
-                storage_options=options,
-                incremental=incremental,
-                service=services.split(",")[rank] if services else None,
+                root, storage_options=options, incremental=incremental, service=service
             ) as writer:
                 started = time.perf_counter()
                 handle = writer.save(
@@ -190,7 +191,8 @@ def main() -> None:
         else:
             model, optimizer = build(mode, world, seed=1)
             targets = {"model": model, "optimizer": optimizer, "progress": {}}
-            checkpointd.restore(root, targets, storage_options=options)
+            info = checkpointd.restore(root, targets, storage_options=options, service=service)
+            result["source"] = info.source
         gather = full_state if mode != "plain" else _plain_state
         state = gather(model, optimizer)
         train(model, optimizer, 1)  # the restored optimizer must work, not only load

@@ -40,11 +40,13 @@ class SharedMemory:
         self._released: set[int] = set()  # released while lent: closed at the last give_back
         self._ids = itertools.count(1)
         self._freed = anyio.Event()
+        self._creating = 0  # bytes of segments being made on a worker thread
 
     @property
     def held(self) -> int:
-        """Every byte of shared memory held: staged, kept, lent and the spare."""
-        return sum(s.capacity for s in self.segments.values()) + self.spare
+        """Every byte of shared memory held: staged, kept, lent, the spare and the
+        segments being made."""
+        return sum(s.capacity for s in self.segments.values()) + self.spare + self._creating
 
     @property
     def spare(self) -> int:
@@ -127,7 +129,14 @@ class SharedMemory:
         while limit is not None and self.held + nbytes > limit:
             if not (self.drop_spare() or self.evict()):
                 await self.wait()  # a save in flight resolves, a client frees or gives back
-        segment = MappedSegment(next(self._ids), nbytes)
+        # Populating a segment takes up to a second per GB (4 KiB pages, or a host that
+        # backs guest memory lazily): on a worker thread, so other clients are served
+        # meanwhile, its bytes counted as held from now on.
+        self._creating += nbytes
+        try:
+            segment = await anyio.to_thread.run_sync(MappedSegment, next(self._ids), nbytes)
+        finally:
+            self._creating -= nbytes
         self.segments[segment.ident] = segment
         return segment
 

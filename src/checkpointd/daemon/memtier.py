@@ -1,14 +1,17 @@
 """The memory tier: committed checkpoints the service keeps in shared memory, and the
 read-only Store a restoring client reads them through.
 
-The service keeps, per root, the newest ``keep`` checkpoints it committed: the
+The service keeps, per root, the newest ``keep`` steps it committed: the
 segment the trainer captured into (no copy) plus each file's small head (tree
-bytes, safetensors header) and the manifest bytes it published. A client gets
-the segment read-only and wraps it in ``MemoryStore``, so restore's one reader
-of the format (reader.StepReader) reads it with every check it makes on
-storage: sizes, CRC32Cs against the manifest, headers. The client serves it only
-if the manifest on storage is byte for byte the one the service committed.
-No torch here.
+bytes, safetensors header) and the manifest bytes it published (held.py). A
+many-rank save's ranks on one node each leave a copy of their share (``rank``),
+all counted as one step. A client gets the segment read-only and wraps it in
+``MemoryStore`` (alone, or under ``overlay.OverlayStore`` for a many-rank save's
+share), so restore's one reader of the format (reader.StepReader) reads it with
+every check it makes on storage: sizes, CRC32Cs against the manifest, headers.
+The client serves it only if the manifest on storage is byte for byte the one the
+service committed, or, for a share, file by file where storage's manifest lists
+the same path, size and CRC32C (recall.py). No torch here.
 """
 
 from __future__ import annotations
@@ -47,12 +50,22 @@ def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
 
 @dataclass
 class HeldCheckpoint:
-    """One committed step held in memory: its segment, files and manifest bytes."""
+    """One committed step held in memory: its segment, files and manifest bytes (empty
+    for a rank's share of a many-rank save, whose files carry their CRC32Cs)."""
 
     step: int
     segment: MappedSegment
     manifest: bytes
     files: list[HeldFile]
+    rank: int | None = None
+    """The saving rank whose share this is; None for a single-process save."""
+
+    def supersedes(self, other: HeldCheckpoint) -> bool:
+        """True if ``other`` (held before) is a copy of the same step that this one
+        replaces: any of a single-process save, or the same rank's share."""
+        return other.step == self.step and (
+            self.rank is None or other.rank is None or other.rank == self.rank
+        )
 
     @property
     def nbytes(self) -> int:
@@ -64,27 +77,37 @@ class MemoryTier:
     """The held checkpoints, newest last per root. Used on the service's event loop."""
 
     keep: int
+    """Steps held per root (the shares of one step that local ranks hold count once)."""
     release: Callable[[MappedSegment], None]
     """Frees a segment (and its bytes in the service's memory budget)."""
     roots: dict[str, list[HeldCheckpoint]] = field(default_factory=dict)
 
     def add(self, key: str, held: HeldCheckpoint) -> None:
-        """Hold ``held`` (just committed) for root ``key``; older ones beyond ``keep`` go."""
+        """Hold ``held`` (just committed) for root ``key``; the copy it supersedes and the
+        steps older than the newest ``keep`` go."""
         if self.keep <= 0:
             self.release(held.segment)
             return
-        kept = [h for h in self.roots.get(key, []) if h.step != held.step]
+        kept: list[HeldCheckpoint] = []
+        for old in self.roots.get(key, []):
+            if held.supersedes(old):
+                self.release(old.segment)
+            else:
+                kept.append(old)
         kept.append(held)
         kept.sort(key=lambda h: h.step)
-        while len(kept) > self.keep:
-            self.release(kept.pop(0).segment)
+        while len({h.step for h in kept}) > self.keep:
+            oldest = kept[0].step
+            while kept and kept[0].step == oldest:
+                self.release(kept.pop(0).segment)
         self.roots[key] = kept
 
-    def find(self, key: str, step: int) -> HeldCheckpoint | None:
-        for held in self.roots.get(key, []):
-            if held.step == step:
-                return held
-        return None
+    def find(self, key: str, step: int, rank: int = 0) -> HeldCheckpoint | None:
+        """The held copy of ``step``: ``rank``'s share where local ranks each hold one,
+        else the first held."""
+        found = [h for h in self.roots.get(key, []) if h.step == step]
+        mine = [h for h in found if h.rank == rank]
+        return (mine or found)[0] if found else None
 
     def evict_oldest(self) -> bool:
         """Free the oldest held checkpoint of any root; False if none is held."""
@@ -107,7 +130,7 @@ class MemoryTier:
         return sum(h.nbytes for held in self.roots.values() for h in held)
 
     def steps(self) -> dict[str, list[int]]:
-        return {key: [h.step for h in held] for key, held in self.roots.items()}
+        return {key: sorted({h.step for h in held}) for key, held in self.roots.items()}
 
     def clear(self) -> None:
         for key in list(self.roots):
@@ -166,6 +189,10 @@ class MemoryStore(Store):
             raise StorageNotFoundError(
                 errno.ENOENT, f"{self.url}/{path}: not in the memory tier"
             ) from None
+
+    def holds(self, path: str) -> bool:
+        """True if file ``path`` is in this held copy."""
+        return path in self._files
 
     def size(self, path: str) -> int:
         head, body = self._parts(path)

@@ -168,12 +168,15 @@ class Submit(_Msg):
 
 
 class Lookup(_Msg):
-    """Does the service hold ``step`` of ``root`` in memory?"""
+    """Does the service hold ``step`` of ``root`` in memory? ``rank``: the asking
+    process's rank in the group that restores (where several local ranks of a many-rank
+    save are held, that rank's copy is lent first)."""
 
     id: int
     root: str
     storage_options: dict[str, Any] | None
     step: int
+    rank: int = 0
 
 
 class Status(_Msg):
@@ -209,17 +212,22 @@ class Accepted(_Msg):
 
 class HeldFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A file of a held checkpoint: its ``head`` bytes, then ``length`` bytes of the
-    segment from ``offset``."""
+    segment from ``offset``. ``crc32c``: of those bytes, for a file of a many-rank save
+    (served only where storage's manifest lists this path, size and CRC32C); None where
+    the whole manifest vouches for the file (``Held.manifest``)."""
 
     path: str
     head: bytes
     offset: int = 0
     length: int = 0
+    crc32c: int | None = None
 
 
 class Held(_Msg):
     """The held checkpoint (its segment's read-only fd beside the frame) and the
-    manifest bytes it was committed with."""
+    manifest bytes it was committed with: those of a single-process save, which storage's
+    must equal; empty for one rank's share of a many-rank save (the job's publisher wrote
+    the manifest), whose files each carry their CRC32C."""
 
     id: int
     step: int

@@ -2,11 +2,18 @@
 
 The step to restore is decided by storage, as always: the newest committed step
 (its manifest read from storage), or the one asked for. The service is asked
-whether it holds that step; it is used only if the manifest it committed is
-byte for byte the one on storage now (so a step replaced or re-committed by
-someone else is never served from memory), and then read through
-``MemoryStore`` by restore's own reader, which checks sizes and CRC32Cs against
-that manifest before a byte is used. Anything else (no service, not held, a
+whether it holds that step, and what it holds is served only where it agrees with
+that manifest, never otherwise:
+
+- a single-process save's copy only if the manifest it committed is byte for byte
+  the one on storage now (so a step replaced or re-committed by someone else is
+  never served from memory), read through ``MemoryStore``;
+- a rank's share of a many-rank save (held.py) file by file: a held file only if
+  storage's manifest lists its path, size and CRC32C (``servable``); the restore
+  reads those from memory and every other file from storage (``OverlayStore``).
+
+Either way restore's own reader checks sizes and every byte's CRC32C against
+storage's manifest before a byte is used. Anything else (no service, not held, a
 mismatch, a damaged copy) falls back to storage. This module only finds the held
 copy; read/restore.py restores from it (so it does not import restore back).
 """
@@ -14,20 +21,45 @@ copy; read/restore.py restores from it (so it does not import restore back).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from checkpointd.errors import ServiceError, StorageError
+from checkpointd.errors import CheckpointError, ServiceError, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.manifest import Manifest, decode_manifest
 from checkpointd.storage import Store, open_store
 from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
 from .client import Connection, connect
 from .memtier import MemoryStore
+from .overlay import OverlayStore
 from .shm import map_fd
 
-__all__ = ["held_copy"]
+__all__ = ["Recalled", "held_copy", "servable"]
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """A held copy to restore ``step`` from: read it through ``store`` (closing it
+    closes no storage: held_copy does); ``source()`` once read says what was used
+    ("memory", "memory+storage" or "storage": ``RestoreInfo.source``)."""
+
+    store: Store
+    step: int
+    source: Callable[[], str]
+
+
+def servable(manifest: Manifest, files: list[p.HeldFile]) -> list[p.HeldFile]:
+    """The held files of a many-rank save's share that storage's ``manifest`` lists with
+    the same path, size and CRC32C (the others are read from storage)."""
+    listed = {(f.path, f.size, f.crc32c) for f in manifest.files}
+    return [
+        f
+        for f in files
+        if f.crc32c is not None and (f.path, len(f.head) + f.length, f.crc32c) in listed
+    ]
 
 
 @contextlib.contextmanager
@@ -37,10 +69,12 @@ def held_copy(
     *,
     storage_options: Mapping[str, Any] | None,
     service: str,
-) -> Iterator[tuple[Store, int] | None]:
+    rank: int = 0,
+) -> Iterator[Recalled | None]:
     """The service's in-memory copy of the step to restore (the newest committed one on
-    storage, or ``step``) as a read-only store and that step, or None where storage
-    must be read. The service lends the copy until the block ends; then it is unmapped."""
+    storage, or ``step``), or None where storage must be read. ``rank``: this process's
+    in the group that restores (its own share is asked for first). The service lends
+    the copy until the block ends; then it is unmapped and storage closed."""
     store = open_store(root, storage_options)
     try:
         found = newest_committed(store) if step is None else step
@@ -48,36 +82,43 @@ def held_copy(
         if found is not None:
             with contextlib.suppress(StorageError):
                 manifest = store.read_bytes(f"{step_dirname(found)}/{MANIFEST_NAME}")
+        if found is None or manifest is None:
+            yield None
+            return
+        try:
+            conn = connect(service, start=False)
+        except ServiceError:
+            yield None
+            return
+        try:  # the service lends the segment until this connection ends: close it last
+            ask = _Ask(root, storage_options, found, manifest, rank)
+            with _lent(conn, store, ask) as held:
+                yield held
+        finally:
+            conn.close()
     finally:
         store.close()
-    if found is None or manifest is None:
-        yield None
-        return
-    try:
-        conn = connect(service, start=False)
-    except ServiceError:
-        yield None
-        return
-    try:  # the service lends the segment until this connection ends: close it last
-        with _lent(conn, store.url, root, found, manifest, storage_options) as held:
-            yield held
-    finally:
-        conn.close()
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What held_copy asks the service for, and storage's manifest of it."""
+
+    root: str
+    storage_options: Mapping[str, Any] | None
+    step: int
+    manifest: bytes
+    rank: int
 
 
 @contextlib.contextmanager
-def _lent(  # noqa: PLR0917 - held_copy's own values, passed on
-    conn: Connection,
-    url: str,
-    root: str,
-    found: int,
-    manifest: bytes,
-    storage_options: Mapping[str, Any] | None,
-) -> Iterator[tuple[Store, int] | None]:
+def _lent(conn: Connection, storage: Store, ask: _Ask) -> Iterator[Recalled | None]:
     """``held_copy`` once storage named the step: ask for it and map it read-only."""
     try:
-        options = None if storage_options is None else dict(storage_options)
-        reply, fd = conn.request(p.Lookup, root=root, storage_options=options, step=found)
+        options = None if ask.storage_options is None else dict(ask.storage_options)
+        reply, fd = conn.request(
+            p.Lookup, root=ask.root, storage_options=options, step=ask.step, rank=ask.rank
+        )
     except ServiceError:
         yield None
         return
@@ -85,11 +126,26 @@ def _lent(  # noqa: PLR0917 - held_copy's own values, passed on
         yield None
         return
     mapped = map_fd(fd, reply.size, writable=False, populate=False)
+    folder = step_dirname(ask.step)
     try:
-        if reply.manifest != manifest:
-            yield None  # storage's step is not the one the service committed
+        if reply.manifest:  # a single-process save's copy: storage's must be that manifest
+            if reply.manifest != ask.manifest:
+                yield None  # storage's step is not the one the service committed
+            else:
+                whole = MemoryStore.over(storage.url, folder, ask.manifest, reply.files, mapped)
+                yield Recalled(whole, ask.step, lambda: "memory")
         else:
-            yield MemoryStore.over(url, step_dirname(found), manifest, reply.files, mapped), found
+            try:
+                listed = decode_manifest(ask.manifest, where=f"{storage.url}/{folder}")
+            except CheckpointError:
+                listed = None  # restore from storage reports it
+            files = [] if listed is None else servable(listed, reply.files)
+            if not files:
+                yield None
+            else:
+                share = MemoryStore.over(storage.url, folder, ask.manifest, files, mapped)
+                overlay = OverlayStore(storage, share)
+                yield Recalled(overlay, ask.step, lambda: overlay.source)
     finally:
         with contextlib.suppress(BufferError):
             mapped.close()

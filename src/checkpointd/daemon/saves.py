@@ -11,6 +11,7 @@ it is pending. On the service's event loop. Imports torch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -22,19 +23,21 @@ import torch
 from anyio.abc import TaskGroup
 
 from checkpointd import errors, tunables
+from checkpointd.format.manifest import FileEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.hosted import open_hosted
 from checkpointd.storage import open_store
 from checkpointd.write.handle import SaveHandle, first_leaf
 from checkpointd.write.loop import WriteService, newest_committed
-from checkpointd.write.plan import Snapshot
+from checkpointd.write.plan import SavePlan, Snapshot
 
 from . import protocol as p
 from .conn import Conn
+from .held import Committed, held_checkpoint
 from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
 from .shm import MappedSegment
-from .snapshot import held_checkpoint, rebuild
+from .snapshot import rebuild
 
 __all__ = ["HostedWriteService", "Saves"]
 
@@ -43,11 +46,26 @@ _log = logging.getLogger("checkpointd.write.loop")
 
 class HostedWriteService(WriteService):
     """Today's write service, for snapshots in segments: they are not the pool's, the
-    service frees or keeps them once the save resolves."""
+    service frees or keeps them once the save resolves; the plan each committed with is
+    kept until then, for the memory tier (held.py)."""
 
     def release_buffer(self, buffer: Any) -> None:
         """Not returned to the pool: the memory tier may keep the segment's bytes, or
         ``Saves`` frees them, once the save has resolved."""
+
+    def committed_plan(self, plan: SavePlan, written: list[FileEntry]) -> None:
+        """Keep ``plan`` (just committed) and the entries of the files written of it until
+        ``take_plan`` (its save's ``_finish``)."""
+        self.plans[plan.step] = Committed(plan, written)
+
+    def take_plan(self, step: int) -> Committed | None:
+        """What ``step`` committed, forgotten here (None if it did not commit)."""
+        return self.plans.pop(step, None)
+
+    @functools.cached_property
+    def plans(self) -> dict[int, Committed]:
+        """What the saves that have not finished yet committed, by step."""
+        return {}
 
 
 @dataclass
@@ -177,8 +195,10 @@ class Saves:
     ) -> None:
         """Once a save resolves: tell its client (if still there), keep or free its segment."""
         try:
+            committed = None
             try:
                 info = await handle.wait()
+                committed = writer.service.take_plan(snapshot.step)
             except Exception as exc:
                 error = first_leaf(exc)
                 self.failed += 1
@@ -190,7 +210,7 @@ class Saves:
             self.committed += 1
             try:
                 held = await anyio.to_thread.run_sync(
-                    held_checkpoint, writer.service, snapshot, segment
+                    held_checkpoint, writer.service, snapshot, committed, segment
                 )
             except Exception as exc:  # reading the manifest back failed: do not hold it
                 _log.warning("not holding step %d in memory: %r", snapshot.step, exc, exc_info=True)

@@ -34,7 +34,7 @@ from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
 from .paths import lock_or_fail, peer_uid, prepare_folder, remove_stale
 from .saves import Saves
-from .shm import readonly_fd
+from .shm import huge_pages_mode, readonly_fd
 
 __all__ = ["Server", "serve"]
 
@@ -77,6 +77,7 @@ class Server:
             listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
             os.chmod(folder, 0o700)
             _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
+            _log.info("shared-memory huge pages: %s", huge_pages_mode())
             async with anyio.create_task_group() as group:
                 self.saves = Saves(self.memory, self.tier, group)
                 with anyio.CancelScope() as listening:
@@ -198,7 +199,8 @@ class Server:
 
     async def _lookup(self, conn: Conn, message: p.Lookup) -> None:
         """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
-        held = self.tier.find(root_key(message.root, message.storage_options), message.step)
+        key = root_key(message.root, message.storage_options)
+        held = self.tier.find(key, message.step, message.rank)
         if held is None:
             await conn.send(p.NotHeld(message.id))
             return

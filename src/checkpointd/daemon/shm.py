@@ -5,6 +5,14 @@ descriptors, passed to a client over the socket (SCM_RIGHTS). The service maps
 each segment it hands out; a client maps the fd it received (read-write to
 capture into, read-only to restore from) and closes the fd. The memory is freed
 once every mapping and fd is gone. No torch here.
+
+Segments ask the kernel for transparent huge pages (``MADV_HUGEPAGE``), which
+Linux grants where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is
+``advise``, ``within_size`` or ``always``. Every mapping of a huge-page segment
+then sets up 2 MiB per fault instead of 4 KiB: a restarted trainer maps a held
+605 MB checkpoint in under a millisecond instead of ~0.07 s (measured on the
+README's VM), which is what the memory tier's restore is bound by. Under
+``never`` (many distributions' default) the advice does nothing.
 """
 
 from __future__ import annotations
@@ -13,9 +21,13 @@ import contextlib
 import mmap
 import os
 
+from checkpointd import tunables
 from checkpointd.errors import ServiceError
 
-__all__ = ["MappedSegment", "map_fd", "readonly_fd"]
+__all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "readonly_fd"]
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
+_SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
 class MappedSegment:
@@ -32,8 +44,7 @@ class MappedSegment:
             raise ServiceError(f"cannot create a shared-memory segment: {exc}") from exc
         try:
             os.ftruncate(self.fd, max(size, 1))
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.map = mmap.mmap(self.fd, max(size, 1), flags=flags)
+            self.map = _populated(self.fd, max(size, 1))
         except BaseException:
             os.close(self.fd)
             raise
@@ -57,6 +68,38 @@ class MappedSegment:
             self.fd = -1
         with contextlib.suppress(BufferError):  # views of it still alive: unmapped when
             self.map.close()  # they go
+
+
+def _populated(fd: int, size: int) -> mmap.mmap:
+    """A read-write mapping of the whole memfd with every page allocated, asked to be
+    huge pages first (``tunables.SHM_HUGE_PAGES``): the advice must precede the first
+    touch, so the pages are populated by ``MADV_POPULATE_WRITE`` rather than at mmap
+    time; before Linux 5.14 the segment is mapped again with ``MAP_POPULATE``."""
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    try:
+        if tunables.SHM_HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                mapped.madvise(mmap.MADV_HUGEPAGE)
+        mapped.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        mapped.close()
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
+        mapped.close()
+        raise
+    return mapped
+
+
+def huge_pages_mode() -> str:
+    """The kernel's setting for shared-memory huge pages (``advise``, ``never``...), or
+    ``unknown`` where it cannot be read: shown by ``checkpointd status``."""
+    try:
+        with open(_SHMEM_ENABLED, encoding="ascii") as file:
+            words = file.read().split()
+    except OSError:
+        return "unknown"
+    chosen = [w[1:-1] for w in words if w.startswith("[") and w.endswith("]")]
+    return chosen[0] if chosen else "unknown"
 
 
 def readonly_fd(fd: int) -> int:

@@ -4,8 +4,8 @@ the service rebuilds the very ``plan.Snapshot`` an in-process save would write.
 The trees travel encoded (``codec.encode_tree``) and come back as ``msgspec.Raw``,
 which the plan's ``encode_tree`` writes out byte for byte: the files are the same
 as an in-process save's. Every offset, size and name is checked against the
-segment before the service trusts it. ``held_checkpoint`` is what the memory tier
-keeps of a committed save. Imports torch.
+segment before the service trusts it (held.py: what the memory tier keeps of a
+committed save). Imports torch.
 """
 
 from __future__ import annotations
@@ -20,23 +20,14 @@ from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import (
-    MANIFEST_NAME,
     check_component_name,
-    step_dirname,
-    tensor_file_name,
-    tree_file_name,
 )
-from checkpointd.read.catalog import read_manifest
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
-from checkpointd.write.loop import WriteService
-from checkpointd.write.plan import Snapshot, WriteFile, plan_snapshot
+from checkpointd.write.plan import Snapshot
 
-from . import protocol as p
-from .memtier import HeldCheckpoint
 from .protocol import ComponentDesc, EntryDesc, ProtocolError, ShardDesc, SnapshotDesc
-from .shm import MappedSegment
 
-__all__ = ["describe", "held_checkpoint", "rebuild"]
+__all__ = ["describe", "rebuild"]
 
 
 def describe(snapshot: Snapshot) -> SnapshotDesc:
@@ -221,35 +212,3 @@ def _check_written(component: str, shards: list[CapturedShard], entries: list[Te
             raise ProtocolError(
                 f"DTensor {entry.name!r} of {component!r}: its region holds another dtype or shape"
             )
-
-
-def held_checkpoint(
-    service: WriteService, snapshot: Snapshot, segment: MappedSegment
-) -> HeldCheckpoint | None:
-    """What the memory tier keeps of a just-committed save: the manifest it published
-    (read back) and, per listed file, its head and its range of the segment; None if
-    the manifest lists anything this snapshot does not hold. Worker thread."""
-    store, step = service.store, snapshot.step
-    manifest_bytes = store.read_bytes(f"{step_dirname(step)}/{MANIFEST_NAME}")
-    manifest = read_manifest(store, step)
-    token = "m"
-    planned = {f.name: f for f in plan_snapshot(snapshot, token).files if isinstance(f, WriteFile)}
-    offsets = {c.name: c.offset for c in snapshot.components}
-    files: list[p.HeldFile] = []
-    for name, entry in manifest.components.items():
-        tree = planned.get(tree_file_name(name, token))
-        if tree is None or entry.sharded or entry.refs:
-            return None
-        files.append(p.HeldFile(entry.tree, bytes(tree.parts[0])))
-        if entry.tensors:
-            tensors = planned.get(tensor_file_name(name, token))
-            if tensors is None or len(entry.tensors) != 1:
-                return None
-            head = bytes(tensors.parts[0])
-            length = memoryview(tensors.parts[1]).nbytes
-            files.append(p.HeldFile(entry.tensors[0], head, offsets[name], length))
-    sizes = {f.path: f.size for f in manifest.files}
-    held = {f.path: len(f.head) + f.length for f in files}
-    if sizes != held or manifest.blobs:
-        return None
-    return HeldCheckpoint(step, segment, manifest_bytes, files)

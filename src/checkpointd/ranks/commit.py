@@ -129,9 +129,12 @@ async def commit_ranked(
     *,
     identity: WriterIdentity | None = None,
     chunk_bytes: int,
+    written: list[FileEntry] | None = None,
 ) -> CheckpointInfo:
     """This rank's part of the collective commit of ``plan`` (attempt ``number`` at its
-    step); returns the CheckpointInfo once the manifest is published.
+    step); returns the CheckpointInfo once the manifest is published, having added to
+    ``written`` (if given) the entries of the files this rank wrote (their sizes and
+    CRC32Cs as committed).
 
     Raises RankFailedError if the attempt was abandoned (another rank failed, died or
     did not join, or replicas differ); this rank's own error if it failed here (after
@@ -156,7 +159,10 @@ async def commit_ranked(
         if group.publishes:
             manifest = await _publish(store, plan, limiter, attempt, identity=identity)
         else:
-            return await _follow(store, plan, limiter, attempt)
+            info = await _follow(store, plan, limiter, attempt)
+            if written is not None:
+                written.extend(committed)
+            return info
     except BaseException as exc:
         leaf = first_leaf(exc)
         with anyio.CancelScope(shield=True):
@@ -170,6 +176,8 @@ async def commit_ranked(
             raise leaf from None
         raise
     await finish_commit(store, manifest, limiter, identity=identity)
+    if written is not None:
+        written.extend(committed)
     return info_of(store, manifest)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from checkpointd import tunables
@@ -223,8 +224,9 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     per-rank components another world size saved (left unchanged), and
     ``skipped_components`` are components no target took.
     ``skipped_steps``: with ``step=None``, newer damaged checkpoints passed over,
-    newest first, each as (step, why). ``source``: "storage", or "memory" where the
-    checkpoint service's memory tier served the bytes (``restore(..., service=...)``).
+    newest first, each as (step, why). ``source``: "storage", "memory" where the
+    checkpoint service's memory tier served every file read, or "memory+storage" where
+    it served some (a rank of a many-rank job; ``restore(..., service=...)``).
     """
 
     source: str = "storage"
@@ -262,7 +264,11 @@ def restore(
     service holds the step to restore (the newest committed one on storage, or
     ``step``) in memory, committed with the very manifest storage has, it is read
     from there, with every check made on storage (``info.source == "memory"``);
-    otherwise (no service, not held, a mismatch) from storage.
+    otherwise (no service, not held, a mismatch) from storage. A rank of a many-rank
+    job reads the files its node's service holds of that step (its share, each listed
+    by storage's manifest with the same size and CRC32C) from memory and the others
+    from storage: ``info.source`` "memory" if every file came from memory,
+    "memory+storage" if some did, else "storage".
 
     ``process_group`` says which rank's per-rank components (``PerRank``, ``RNGState``)
     this process gets: None the default group's (this process alone without
@@ -274,13 +280,13 @@ def restore(
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
-        with held_copy(str(root), step, storage_options=storage_options, service=service) as held:
+        with held_copy(
+            str(root), step, storage_options=storage_options, service=service, rank=place[0]
+        ) as held:
             if held is not None:
-                memory, found = held
                 try:
-                    return restore_from(
-                        memory, targets, found, strict, source="memory", place=place
-                    )
+                    info = restore_from(held.store, targets, held.step, strict, place=place)
+                    return msgspec.structs.replace(info, source=held.source())
                 except (CorruptCheckpointError, CheckpointNotFoundError):
                     pass  # a damaged or partial copy: storage decides
     return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)

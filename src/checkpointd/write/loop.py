@@ -23,7 +23,7 @@ from checkpointd.errors import (
     StagingError,
     WriterClosedError,
 )
-from checkpointd.format.manifest import CheckpointInfo, Manifest
+from checkpointd.format.manifest import CheckpointInfo, FileEntry, Manifest
 from checkpointd.maintain.retention import (
     RetentionPolicy,
     WriterIdentity,
@@ -257,9 +257,11 @@ class WriteService:
             manifest = await publish_plan(
                 self.store, plan, limiter, identity=self.identity, chunk_bytes=self.chunk_bytes
             )
+            self.committed_plan(plan, manifest.files)
             return info_of(self.store, manifest), manifest
         from checkpointd.ranks.commit import commit_ranked
 
+        written: list[FileEntry] = []
         info = await commit_ranked(
             self.store,
             plan,
@@ -268,8 +270,15 @@ class WriteService:
             number,
             identity=self.identity,
             chunk_bytes=self.chunk_bytes,
+            written=written,
         )
+        self.committed_plan(plan, written)
         return info, None
+
+    def committed_plan(self, plan: SavePlan, written: list[FileEntry]) -> None:
+        """Called on the loop with each plan once it is committed, and the entries of the
+        files this process wrote of it (sizes, CRC32Cs), before its handle resolves;
+        nothing here (the checkpoint service's writers keep them for their memory tier)."""
 
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
