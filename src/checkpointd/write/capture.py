@@ -271,9 +271,11 @@ def copy_now(copies: list[Copy], uses_cuda: bool) -> None:
     non-blocking (the arena is pinned) and synchronized once per device. Caller's
     thread, or staging's copier thread for CPU sources.
     """
-    plain = [(source, target) for source, target in copies if bytecopy.plain(source, target)]
+    plain: list[Copy] = []
     for source, target in copies:
-        if not bytecopy.plain(source, target):
+        if bytecopy.plain(source, target):
+            plain.append((source, target))
+        else:
             target.copy_(source, non_blocking=uses_cuda)
     bytecopy.copy_plain(plain)
     if uses_cuda:
