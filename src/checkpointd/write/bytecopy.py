@@ -7,7 +7,9 @@ thread holds up each barrier: a 244 MiB model of 96 tensors took 0.18 s median (
 at worst) to capture at load 3.5 on 2 cores, against 0.024 s copied by one thread.
 Here the bytes are cut into chunks that the calling thread and a few helper threads
 take in turn (``ctypes.memmove``, which releases the GIL): the caller never waits for a
-thread that has not started, only for a chunk a helper is already copying. Blocking.
+thread that has not started, only for a chunk a helper is already copying. Used for
+the copies a save makes on the caller's thread (capture's, and overlapped staging's
+unguarded ones); the background copier keeps to one thread (staging.py). Blocking.
 """
 
 from __future__ import annotations
