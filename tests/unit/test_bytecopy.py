@@ -5,6 +5,7 @@ and tensor boundaries, shared by helper threads or done alone; anything not plai
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -91,3 +92,20 @@ def test_capture_keeps_values_of_plain_and_other_tensors() -> None:
         expected = tensor.detach().resolve_conj().contiguous()
         got = torch.frombuffer(bytearray(stored), dtype=tensor.dtype).reshape(tensor.shape)
         assert torch.equal(got, expected), entry.name
+
+
+def test_without_threads_to_spare_the_caller_copies_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As at interpreter exit, when an executor refuses new work."""
+
+    class Refusing(bytecopy.concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *_: object, **__: object) -> Any:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(bytecopy.concurrent.futures, "ThreadPoolExecutor", Refusing)
+    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bytecopy, "_threads", lambda: 3)
+    pairs, arena = _pairs([3 * bytecopy.CHUNK_BYTES + 1])
+    bytecopy.copy_plain(pairs)
+    assert torch.equal(arena, torch.cat([source for source, _ in pairs]))

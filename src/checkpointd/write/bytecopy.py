@@ -15,6 +15,7 @@ unguarded ones); the background copier keeps to one thread (staging.py). Blockin
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
@@ -83,8 +84,11 @@ def copy_plain(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         work()
         return
     pool = concurrent.futures.ThreadPoolExecutor(helpers, thread_name_prefix="checkpointd-copy")
+    started: list[concurrent.futures.Future[None]] = []
     try:
-        started = [pool.submit(work) for _ in range(helpers)]
+        with contextlib.suppress(RuntimeError):  # no new threads (interpreter exiting)
+            for _ in range(helpers):
+                started.append(pool.submit(work))
         work()
     finally:
         # helpers that never got a core are not waited for; one copying a chunk is
