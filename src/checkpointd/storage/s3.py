@@ -144,6 +144,7 @@ class S3Store(ConditionalCreateStore):
             part_size=part_size,
             max_parallel=self.parallel_parts,
             send_buffers=self._sync is not None,
+            checksums=self._sync is not None and self._sync.checksums,
         )
         return TranslatingSink(self._translating, sink, target)
 

@@ -10,15 +10,26 @@ endpoint, region, client and config kwargs, profile), so it reaches what s3fs re
 version awareness, extra per-call kwargs, a caller's own session, region caching), and
 the store keeps s3fs's path.
 
+Parts carry their own CRC32C (``checksums``; s3upload.py). Over plain http botocore
+would also SHA-256 every body into the signature (over https it does not): a request
+that carries ``x-amz-checksum-crc32c`` is sent as ``UNSIGNED-PAYLOAD`` instead, as
+botocore itself does over https with a checksum. The checksum header stays signed, so
+the bytes are still checked end to end by a store that verifies checksums; an explicit
+``payload_signing_enabled`` in ``config_kwargs["s3"]`` wins, and
+``request_checksum_calculation="when_required"`` (for stores that refuse checksum
+headers) turns both off.
+
 Errors leave as s3fs's do: a ``ClientError`` becomes the OSError s3fs would raise (its
 ``__cause__`` the ClientError), and the transient errors s3fs retries (a dropped or cut
-connection, a timeout, an unparsable reply, SlowDown) are retried the same number of
-times with backoff, on top of botocore's own retries. Blocking; any thread.
+connection, a timeout, an unparsable reply, SlowDown), and a body refused as changed on
+the way (BadDigest: it is sent again from the same buffer), are retried the same number
+of times with backoff, on top of botocore's own retries. Blocking; any thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import http.client
 import socket
 import threading
@@ -57,7 +68,12 @@ _RETRYABLE = (
     botocore.exceptions.HTTPClientError,
     botocore.parsers.ResponseParserError,
 )
-_SLOW_DOWN = ("SlowDown", "reduce your request rate", "XAmzContentSHA256Mismatch")
+_SLOW_DOWN = ("SlowDown", "reduce your request rate", "XAmzContentSHA256Mismatch", "BadDigest")
+"""Refusals tried again: throttling, and a body that arrived other than it was sent."""
+
+_CHECKSUM_HEADER = "x-amz-checksum-crc32c"
+_CHECKSUMMED = ("PutObject", "UploadPart")
+"""The operations whose body goes unsigned when it carries ``_CHECKSUM_HEADER``."""
 
 _sessions_lock = threading.Lock()
 _sessions: dict[str | None, botocore.session.Session] = {}
@@ -109,6 +125,14 @@ def _client_args(fs: Any) -> dict[str, Any] | None:
     return {"args": args, "config": config, "profile": profile}
 
 
+def _unsigned_body(unsigned: botocore.config.Config, request: Any, **_: Any) -> None:
+    """botocore's ``before-sign`` hook: a body that carries its CRC32C is signed as
+    ``UNSIGNED-PAYLOAD`` (botocore's S3 signer reads the choice from the request's
+    client config, which is this request's own). Worker thread."""
+    if _CHECKSUM_HEADER in request.headers:
+        request.context["client_config"] = unsigned
+
+
 class SyncS3:
     """One botocore client and ``threads`` workers for one store (see the module doc)."""
 
@@ -119,6 +143,17 @@ class SyncS3:
             max_workers=threads, thread_name_prefix="checkpointd-s3"
         )
         self.threads = threads
+        config = client.meta.config
+        self.checksums: bool = config.request_checksum_calculation != "when_required"
+        """Whether uploads should send a CRC32C with each part (s3upload.py)."""
+        if self.checksums and (config.s3 or {}).get("payload_signing_enabled") is None:
+            unsigned = config.merge(
+                botocore.config.Config(s3={**(config.s3 or {}), "payload_signing_enabled": False})
+            )
+            for operation in _CHECKSUMMED:
+                client.meta.events.register(
+                    f"before-sign.s3.{operation}", functools.partial(_unsigned_body, unsigned)
+                )
 
     @classmethod
     def build(cls, fs: Any, threads: int) -> SyncS3 | None:

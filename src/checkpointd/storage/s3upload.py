@@ -8,12 +8,18 @@ holding at most that many parts in memory, plus the one being filled. ``commit``
 completes the multipart upload (a file smaller than one part goes up as one
 PUT); ``discard`` aborts it, so a failed save never leaves an object behind.
 
+With ``checksums``, every part (and a one-PUT file) carries the CRC32C of its bytes,
+taken from the caller's bytes as they are buffered, in ``x-amz-checksum-crc32c``; the
+upload is created with that algorithm and completed with each part's checksum, so a
+store that checks checksums (S3 does) refuses a part whose bytes changed on the way.
+
 Implements storage.FileSink; one thread at a time calls write/commit/discard.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import errno
@@ -22,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointd.errors import StorageFullError
-from checkpointd.format.checksum import BytesLike
+from checkpointd.format.checksum import BytesLike, crc32c
 
 __all__ = ["ParallelUploadSink", "Submit", "call_s3", "choose_part_size", "s3fs_submit"]
 
@@ -82,22 +88,27 @@ class ParallelUploadSink:
         part_size: int,
         max_parallel: int,
         send_buffers: bool = False,
+        checksums: bool = False,
     ) -> None:
         """``part_size`` from choose_part_size: the file must fit in MAX_PARTS of it.
-        ``send_buffers``: a full part goes as its buffer, reused once sent (one copy of
-        each part); else as ``bytes`` of it (two copies: aiobotocore over aiohttp left
-        connections unclosed with a bytearray body)."""
+        ``send_buffers``: a part goes as its buffer, a full one reused once sent (one copy
+        of each part); else as ``bytes`` of it (two copies: aiobotocore over aiohttp left
+        connections unclosed with a bytearray body). ``checksums``: each part's CRC32C
+        goes with it (the module doc)."""
         if not MIN_PART_BYTES <= part_size <= MAX_PART_BYTES:
             raise ValueError(f"S3 parts must hold {MIN_PART_BYTES} to {MAX_PART_BYTES} bytes")
         self._submit = submit
         self._bucket, self._key = bucket, key
         self._part_size = part_size
         self._send_buffers = send_buffers
+        self._checksums = checksums
+        self._crc = 0  # of the buffered bytes (with checksums)
         self._free: list[bytearray] = []  # sent buffers, appended from done callbacks
         self._buffer = bytearray()  # grows to a part; its bytes past _fill are stale
         self._fill = 0
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._part_crcs: list[str] = []  # base64, big-endian, as S3 writes a CRC32C
         self._slots = threading.BoundedSemaphore(max_parallel)
 
     def _call(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:
@@ -109,16 +120,32 @@ class ParallelUploadSink:
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), self._part_size - self._fill)
+            if self._checksums:
+                self._crc = crc32c(view[:take], self._crc)
             self._buffer[self._fill : self._fill + take] = view[:take]  # grows it if short
             self._fill += take
             view = view[take:]
             if self._fill == self._part_size:
                 self._send_part()
 
-    def _filled(self) -> bytes:
-        """A copy of the buffered bytes; the buffer is empty after."""
-        data, self._fill = bytes(memoryview(self._buffer)[: self._fill]), 0
-        return data
+    def _take(self) -> tuple[bytes | bytearray, dict[str, Any]]:
+        """The buffered bytes as a body, and the checksum arguments that go with them;
+        the buffer is empty after. With ``send_buffers`` the buffer itself (cut to its
+        bytes: botocore would send ``bytes`` through a BytesIO, behind an
+        ``Expect: 100-continue`` round trip), and a fresh or sent one takes its place."""
+        body: bytes | bytearray
+        if self._send_buffers:
+            body = self._buffer
+            del body[self._fill :]
+            self._buffer = self._free.pop() if self._free else bytearray()
+        else:
+            body = bytes(memoryview(self._buffer)[: self._fill])
+        self._fill = 0
+        if not self._checksums:
+            return body, {}
+        value = base64.b64encode(self._crc.to_bytes(4, "big")).decode("ascii")
+        self._crc = 0
+        return body, {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}
 
     def _send_part(self) -> None:
         if len(self._parts) >= MAX_PARTS:
@@ -128,23 +155,23 @@ class ParallelUploadSink:
                 "(open it with its size so the parts are chosen to fit)",
             )
         if self._upload_id is None:
-            self._upload_id = str(self._call("create_multipart_upload").result()["UploadId"])
+            algorithm = {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
+            created = self._call("create_multipart_upload", **algorithm).result()
+            self._upload_id = str(created["UploadId"])
         for done in self._parts:
             if done.done() and done.exception() is not None:
                 done.result()  # fail fast: a part already failed for good
         self._slots.acquire()
-        whole = self._fill == self._part_size and self._send_buffers
-        body: bytes | bytearray
-        if whole:
-            body, self._fill = self._buffer, 0
-            self._buffer = self._free.pop() if self._free else bytearray()
-        else:
-            body = self._filled()
+        whole = self._fill == self._part_size
+        body, checksum = self._take()
         number = len(self._parts) + 1
-        future = self._call("upload_part", UploadId=self._upload_id, PartNumber=number, Body=body)
+        future = self._call(
+            "upload_part", UploadId=self._upload_id, PartNumber=number, Body=body, **checksum
+        )
+        self._part_crcs.append(checksum.get("ChecksumCRC32C", ""))
 
         def sent(_: object, body: bytes | bytearray = body) -> None:
-            if isinstance(body, bytearray) and len(self._free) < 2:
+            if whole and isinstance(body, bytearray) and len(self._free) < 2:
                 self._free.append(body)  # sent: botocore holds it no more
             self._slots.release()
 
@@ -154,30 +181,33 @@ class ParallelUploadSink:
     def commit(self) -> None:
         """Upload what is left, wait for every part, then complete: the object appears whole."""
         if self._upload_id is None:
-            self._call("put_object", Body=self._filled()).result()
+            body, checksum = self._take()
+            self._call("put_object", Body=body, **checksum).result()
             return
         if self._fill:
             self._send_part()
-        parts = [
-            {"PartNumber": number, "ETag": future.result()["ETag"]}
-            for number, future in enumerate(self._parts, start=1)
-        ]
+        parts = []
+        for number, (future, crc) in enumerate(
+            zip(self._parts, self._part_crcs, strict=True), start=1
+        ):
+            part = {"PartNumber": number, "ETag": future.result()["ETag"]}
+            parts.append({**part, "ChecksumCRC32C": crc} if crc else part)
         self._call(
             "complete_multipart_upload",
             UploadId=self._upload_id,
             MultipartUpload={"Parts": parts},
         ).result()
         self._upload_id = None
-        self._parts = []
+        self._parts, self._part_crcs = [], []
         self._free = []
 
     def discard(self) -> None:
         """Abort the upload after its in-flight parts settle; nothing becomes visible."""
-        self._fill = 0
+        self._fill = self._crc = 0
         for future in self._parts:
             with contextlib.suppress(Exception):
                 future.result()
-        self._parts = []
+        self._parts, self._part_crcs = [], []
         self._free = []
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None

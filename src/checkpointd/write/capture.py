@@ -25,6 +25,7 @@ from checkpointd.format.layout import REGION_ALIGN as _REGION_ALIGN
 from checkpointd.format.layout import check_component_name
 from checkpointd.state.stateful import component_state
 from checkpointd.state.storable import CapturedShard, Source, Walker
+from checkpointd.write import bytecopy
 
 __all__ = [
     "Allocate",
@@ -265,11 +266,18 @@ def _capture(
 def copy_now(copies: list[Copy], uses_cuda: bool) -> None:
     """Copy every source into its target; returns once the bytes are in host memory.
 
-    CUDA copies are issued non-blocking (the arena is pinned) and synchronized once
-    per device. Caller's thread, or staging's copier thread for CPU sources.
+    Plain CPU tensors are copied as bytes by the free cores (bytecopy.py: torch's
+    per-tensor OpenMP barriers stall when cores are busy). CUDA copies are issued
+    non-blocking (the arena is pinned) and synchronized once per device. Caller's
+    thread, or staging's copier thread for CPU sources.
     """
+    plain: list[Copy] = []
     for source, target in copies:
-        target.copy_(source, non_blocking=uses_cuda)
+        if bytecopy.plain(source, target):
+            plain.append((source, target))
+        else:
+            target.copy_(source, non_blocking=uses_cuda)
+    bytecopy.copy_plain(plain)
     if uses_cuda:
         for device in {source.device for source, _ in copies}:
             if device.type == "cuda":

@@ -36,7 +36,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from checkpointd.errors import StagingError
-from checkpointd.write import lifecycle
+from checkpointd.write import bytecopy, lifecycle
 from checkpointd.write.capture import Copier, Copy
 
 __all__ = ["STAGING_MODES", "Stager", "Staging", "StagingMode", "copy_in_background", "tensor_key"]
@@ -255,10 +255,16 @@ def _finish_copies(staging: Staging, copies: list[Copy], events: list[torch.cuda
 
 
 def _copy_and_sync(copies: list[Copy], uses_cuda: bool) -> None:
-    """Copy now; for CUDA sources wait on their current streams only (a device-wide
-    synchronize would wait for the side stream's background copies too)."""
+    """Copy now (plain CPU tensors as bytes on the free cores, bytecopy.py); for CUDA
+    sources wait on their current streams only (a device-wide synchronize would wait
+    for the side stream's background copies too)."""
+    plain: list[Copy] = []
     for source, target in copies:
-        target.copy_(source, non_blocking=uses_cuda)
+        if bytecopy.plain(source, target):
+            plain.append((source, target))
+        else:
+            target.copy_(source, non_blocking=uses_cuda)
+    bytecopy.copy_plain(plain)
     for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
 
