@@ -1,9 +1,10 @@
 """The service's shared memory: every segment it holds, the memory limit, and lending.
 
 A segment is held from ``allocate`` until ``release`` (its save failed, or the
-memory tier let it go). The last released segment is kept as the spare, for the
-next save of a similar size (a fresh memfd costs a page fault and a zeroed page
-per 4 KiB on first touch). A segment lent to a restoring client (``lend``) is
+memory tier let it go). Released segments are kept as spares, for the next saves
+of a similar size (a fresh memfd costs a page fault and a zeroed page per 4 KiB on
+first touch): as many as ``spares_wanted`` says (one per writer: the local ranks
+sharing the service each reuse their segments), the oldest closed beyond that. A segment lent to a restoring client (``lend``) is
 never written again: released while lent, it stays held (and counted) until the
 last borrower gives it back (``give_back``: its connection ended), and it is
 then closed, never made the spare, so no byte a client mapped ever changes under
@@ -33,8 +34,10 @@ class SharedMemory:
         self.limit = limit
         self.evict: Callable[[], bool] = lambda: False
         """Frees the oldest memory-tier copy (through ``release``); False if none."""
+        self.spares_wanted: Callable[[], int] = lambda: 1
+        """How many released segments to keep for reuse (at least one is kept)."""
         self.segments: dict[int, MappedSegment] = {}
-        self._spare: MappedSegment | None = None
+        self._spares: list[MappedSegment] = []  # oldest first
         self._lent: dict[int, int] = {}  # segment ident -> borrowers
         self._ever_lent: set[int] = set()
         self._released: set[int] = set()  # released while lent: closed at the last give_back
@@ -44,13 +47,14 @@ class SharedMemory:
 
     @property
     def held(self) -> int:
-        """Every byte of shared memory held: staged, kept, lent, the spare and the
+        """Every byte of shared memory held: staged, kept, lent, the spares and the
         segments being made."""
         return sum(s.capacity for s in self.segments.values()) + self.spare + self._creating
 
     @property
     def spare(self) -> int:
-        return 0 if self._spare is None else self._spare.capacity
+        """Bytes of the spares."""
+        return sum(s.capacity for s in self._spares)
 
     def notify(self) -> None:
         """Wake ``allocate`` and ``wait`` callers (memory or a save may have freed)."""
@@ -62,7 +66,7 @@ class SharedMemory:
         await self._freed.wait()
 
     def release(self, segment: MappedSegment) -> None:
-        """The segment's owner is done with it: the spare, or closed if it was ever lent
+        """The segment's owner is done with it: a spare, or closed if it was ever lent
         (at its last ``give_back`` if still lent). Idempotent."""
         ident = segment.ident
         if ident not in self.segments:
@@ -76,10 +80,14 @@ class SharedMemory:
             self._ever_lent.discard(ident)
             segment.close()
         else:
-            if self._spare is not None:
-                self._spare.close()
-            self._spare = segment
+            self._spares.append(segment)
+            self.trim_spares()
         self.notify()
+
+    def trim_spares(self) -> None:
+        """Close the oldest spares beyond ``spares_wanted`` (a writer went, or a release)."""
+        while len(self._spares) > max(1, self.spares_wanted()):
+            self._spares.pop(0).close()
 
     def lend(self, segment: MappedSegment) -> None:
         """A client maps ``segment`` read-only until ``give_back``: never written again."""
@@ -97,11 +105,11 @@ class SharedMemory:
             self.release(segment)
 
     def drop_spare(self) -> bool:
-        """Close the spare; False if there was none."""
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
-        return spare is not None
+        """Close the oldest spare; False if there was none."""
+        if not self._spares:
+            return False
+        self._spares.pop(0).close()
+        return True
 
     async def allocate(self, nbytes: int) -> MappedSegment:
         """A new segment of ``nbytes``: evicts held checkpoints, then waits, while it would
@@ -120,9 +128,10 @@ class SharedMemory:
                 f"this save needs {nbytes} bytes of shared memory; this machine has "
                 f"{physical}: it can never fit"
             )
-        spare = self._spare
-        if spare is not None and nbytes <= spare.capacity <= 2 * max(nbytes, 1):
-            self._spare = None
+        fitting = [s for s in self._spares if nbytes <= s.capacity <= 2 * max(nbytes, 1)]
+        if fitting:
+            spare = min(fitting, key=lambda s: s.capacity)
+            self._spares.remove(spare)
             segment = spare.reuse(next(self._ids), nbytes)
             self.segments[segment.ident] = segment
             return segment
@@ -145,4 +154,5 @@ class SharedMemory:
         for segment in self.segments.values():
             segment.close()
         self.segments.clear()
-        self.drop_spare()
+        while self.drop_spare():
+            pass

@@ -151,6 +151,7 @@ class Saves:
         """A writer whose client is gone and nothing pending: stop its service."""
         if writer.conn is None and writer.pending == 0 and writer.ident in self.writers:
             del self.writers[writer.ident]
+            self.memory.trim_spares()  # one writer fewer: one spare fewer is kept
 
             async def stop() -> None:
                 await writer.service.stop()

@@ -79,7 +79,8 @@ class Server:
             _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
             _log.info("shared-memory huge pages: %s", huge_pages_mode())
             async with anyio.create_task_group() as group:
-                self.saves = Saves(self.memory, self.tier, group)
+                self.saves = saves = Saves(self.memory, self.tier, group)
+                self.memory.spares_wanted = lambda: len(saves.writers)
                 with anyio.CancelScope() as listening:
                     group.start_soon(self._watch, listening)
                     await listener.serve(self._connection, task_group=group)
