@@ -318,19 +318,24 @@ def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str
         borrower.close()
     file = max(reply.files, key=lambda f: f.length)
     at = file.offset + file.length // 2
-    folder = Path(f"/proc/{service_pid}/fd")
-    segments = {  # one per memfd (the service may hold several fds of one)
-        fd.stat().st_ino: fd
-        for fd in folder.iterdir()
-        if os.readlink(fd).startswith("/memfd:checkpointd-")
-    }
-    assert segments
-    for segment in segments.values():  # the held one and any spare: flip each once
-        with open(segment, "r+b") as memory:
-            if os.fstat(memory.fileno()).st_size < at + 1:
+    flipped: set[int] = set()  # memfd inodes (the service may hold several fds of one)
+    for fd in Path(f"/proc/{service_pid}/fd").iterdir():
+        # The service opens and closes fds meanwhile (connections, spare segments):
+        # one listed may be gone by the time it is looked at.
+        try:
+            if not os.readlink(fd).startswith("/memfd:checkpointd-"):
                 continue
+            memory = open(fd, "r+b")  # noqa: SIM115 - closed below; the open may fail
+        except FileNotFoundError:
+            continue
+        with memory:  # the held segment and any spare: flip each once
+            info = os.fstat(memory.fileno())
+            if info.st_ino in flipped or info.st_size < at + 1:
+                continue
+            flipped.add(info.st_ino)
             memory.seek(at)
             byte = memory.read(1)
             memory.seek(at)
             memory.write(bytes([byte[0] ^ 0xFF]))
+    assert flipped
     return file.path
