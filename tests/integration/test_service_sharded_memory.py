@@ -11,7 +11,6 @@ Also: ranks sharing one service, shard index files, and a root on S3 (moto).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.client import connect, status
+from checkpointd.daemon.client import status
 from checkpointd.format.manifest import Manifest, decode_manifest, encode_manifest
 from tests.integration.test_sharded import check_restored, job, same
 from tests.support.launch import hosted_store
@@ -30,6 +28,7 @@ from tests.support.s3 import MotoS3
 from tests.support.service import (
     Service,
     damage_held_copy,
+    held_files,
     kill_ranks_at_line,
     rank_processes,
     running_service,
@@ -193,19 +192,6 @@ def _token(folder: Path) -> str:
     return token
 
 
-def _held_files(socket: str, root: str, step: int) -> list[p.HeldFile]:
-    """The files ``socket``'s service holds of ``step`` (asked as a restoring client)."""
-    borrower = connect(socket, start=False)
-    try:
-        reply, fd = borrower.request(p.Lookup, root=root, storage_options=None, step=step)
-        assert isinstance(reply, p.Held)
-        assert fd is not None
-        os.close(fd)
-    finally:
-        borrower.close()
-    return reply.files
-
-
 def test_a_step_committed_again_with_other_bytes_is_never_served_from_memory(
     tmp_path: Path,
 ) -> None:
@@ -229,7 +215,7 @@ def test_a_step_committed_again_with_other_bytes_is_never_served_from_memory(
         stored = {f.path: (f.size, f.crc32c) for f in listed}
         held = {
             f.path: (len(f.head) + f.length, f.crc32c)
-            for f in _held_files(services[0].socket, str(root), 1)
+            for f in held_files(services[0].socket, str(root), 1)
         }
         same_bytes = sorted(path for path in held if stored.get(path) == held[path])
         other_bytes = sorted(
@@ -264,7 +250,7 @@ def test_shard_index_files_are_held_with_their_ranks_shares(tmp_path: Path) -> N
         )  # fmt: skip
         _settled(services, 1)
         for rank, service in enumerate(services):
-            names = [f.path for f in _held_files(service.socket, root, 1)]
+            names = [f.path for f in held_files(service.socket, root, 1)]
             assert [n for n in names if n.startswith("shards.")] == [
                 n for n in names if n.startswith("shards.") and n.endswith(f".rank{rank}.json")
             ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointd.daemon.client import Connection
+from checkpointd.daemon.protocol import HeldFile
 from checkpointd.errors import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -301,22 +302,28 @@ def wait_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 1
         proc.stdout.close()
 
 
-def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str:
-    """Flip one byte in the middle of the largest held file of ``step``, writing into
-    the service's segment through its memfd in /proc (as a stray write would); returns
-    that file's path (relative to the step folder)."""
+def held_files(socket: str, root: str, step: int) -> list[HeldFile]:
+    """The files ``socket``'s service holds of ``step`` of ``root``, asked as a
+    restoring client would (the lent segment's fd closed at once)."""
     from checkpointd.daemon import protocol as p
     from checkpointd.daemon.client import connect
 
     borrower = connect(socket, start=False)
     try:
         reply, fd = borrower.request(p.Lookup, root=root, storage_options=None, step=step)
-        assert isinstance(reply, p.Held)
+        assert isinstance(reply, p.Held), reply
         assert fd is not None
         os.close(fd)
     finally:
         borrower.close()
-    file = max(reply.files, key=lambda f: f.length)
+    return reply.files
+
+
+def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str:
+    """Flip one byte in the middle of the largest held file of ``step``, writing into
+    the service's segment through its memfd in /proc (as a stray write would); returns
+    that file's path (relative to the step folder)."""
+    file = max(held_files(socket, root, step), key=lambda f: f.length)
     at = file.offset + file.length // 2
     flipped: set[int] = set()  # memfd inodes (the service may hold several fds of one)
     for fd in Path(f"/proc/{service_pid}/fd").iterdir():

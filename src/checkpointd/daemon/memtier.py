@@ -31,7 +31,7 @@ from checkpointd.storage import FileSink, Store
 from .protocol import HeldFile
 from .shm import MappedSegment
 
-__all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "root_key"]
+__all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "ReadOnlyStore", "root_key"]
 
 
 def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
@@ -137,7 +137,32 @@ class MemoryTier:
             self.drop_root(key)
 
 
-class MemoryStore(Store):
+class ReadOnlyStore(Store):
+    """A Store that only reads: every write refuses with EROFS (the memory tier's
+    stores: nothing restoring from memory may change it or storage)."""
+
+    url: str
+
+    def _refuse(self, path: str) -> NoReturn:
+        raise StorageError(errno.EROFS, f"{self.url}/{path}: read-only (restoring from memory)")
+
+    def make_dir(self, path: str) -> None:
+        self._refuse(path)
+
+    def open_file(self, path: str, size: int | None = None) -> FileSink:
+        self._refuse(path)
+
+    def sync_dir(self, path: str) -> None:
+        self._refuse(path)
+
+    def remove_file(self, path: str) -> None:
+        self._refuse(path)
+
+    def remove_dir(self, path: str) -> None:
+        self._refuse(path)
+
+
+class MemoryStore(ReadOnlyStore):
     """A read-only Store over one held checkpoint: ``files`` (paths relative to the
     root) made of a head and a range of a read-only mapped segment. Any thread."""
 
@@ -163,24 +188,6 @@ class MemoryStore(Store):
                 whole[file.offset : file.offset + file.length],
             )
         return cls(url, parts)
-
-    def _refuse(self, path: str) -> NoReturn:
-        raise StorageError(errno.EROFS, f"{self.url}/{path}: the memory tier is read-only")
-
-    def make_dir(self, path: str) -> None:
-        self._refuse(path)
-
-    def open_file(self, path: str, size: int | None = None) -> FileSink:
-        self._refuse(path)
-
-    def sync_dir(self, path: str) -> None:
-        self._refuse(path)
-
-    def remove_file(self, path: str) -> None:
-        self._refuse(path)
-
-    def remove_dir(self, path: str) -> None:
-        self._refuse(path)
 
     def _parts(self, path: str) -> tuple[bytes, memoryview]:
         try:

@@ -12,15 +12,11 @@ read. Any thread. No torch here.
 
 from __future__ import annotations
 
-import errno
-from typing import NoReturn
-
-from checkpointd.errors import StorageError
 from checkpointd.format.layout import MANIFEST_NAME
-from checkpointd.storage import FileSink, Store
+from checkpointd.storage import Store
 from checkpointd.storage.base import PinnedFile
 
-from .memtier import MemoryStore
+from .memtier import MemoryStore, ReadOnlyStore
 
 __all__ = ["MIXED_SOURCE", "OverlayStore"]
 
@@ -29,7 +25,7 @@ MIXED_SOURCE = "memory+storage"
 some from storage."""
 
 
-class OverlayStore(Store):
+class OverlayStore(ReadOnlyStore):
     """``memory``'s files over ``storage``: reads only. Closing it closes neither (their
     owner, recall.held_copy, does)."""
 
@@ -57,24 +53,6 @@ class OverlayStore(Store):
             return self._memory
         self._from_storage.add(path)
         return self._storage
-
-    def _refuse(self, path: str) -> NoReturn:
-        raise StorageError(errno.EROFS, f"{self.url}/{path}: restoring through memory: read-only")
-
-    def make_dir(self, path: str) -> None:
-        self._refuse(path)
-
-    def open_file(self, path: str, size: int | None = None) -> FileSink:
-        self._refuse(path)
-
-    def sync_dir(self, path: str) -> None:
-        self._refuse(path)
-
-    def remove_file(self, path: str) -> None:
-        self._refuse(path)
-
-    def remove_dir(self, path: str) -> None:
-        self._refuse(path)
 
     def size(self, path: str) -> int:
         store = self._memory if self._memory.holds(path) else self._storage
