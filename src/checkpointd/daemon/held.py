@@ -29,9 +29,8 @@ from checkpointd.format.layout import (
     tensor_file_name,
     tree_file_name,
 )
-from checkpointd.format.manifest import FileEntry
+from checkpointd.format.manifest import FileEntry, decode_manifest
 from checkpointd.ranks.merge import shard_index, written_shards
-from checkpointd.read.catalog import read_manifest
 from checkpointd.write.capture import CapturedComponent
 from checkpointd.write.loop import WriteService
 from checkpointd.write.plan import RankFile, SavePlan, Snapshot, WriteFile, plan_snapshot
@@ -74,8 +73,11 @@ def _held_alone(
     file, its head and its range of the segment; None if the manifest lists anything
     this snapshot does not hold."""
     store, step = service.store, snapshot.step
-    manifest_bytes = store.read_bytes(f"{step_dirname(step)}/{MANIFEST_NAME}")
-    manifest = read_manifest(store, step)
+    path = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    manifest_bytes = store.read_bytes(path)  # read once: kept as is, and decoded
+    manifest = decode_manifest(manifest_bytes, where=f"{store.url}/{path}")
+    if manifest.step != step:  # (read_manifest's check: not what this save published)
+        return None
     token = "m"
     planned = {f.name: f for f in plan_snapshot(snapshot, token).files if isinstance(f, WriteFile)}
     offsets = {c.name: c.offset for c in snapshot.components}

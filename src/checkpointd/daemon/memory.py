@@ -22,7 +22,7 @@ import anyio
 from checkpointd.errors import ServiceMemoryError
 
 from .protocol import ProtocolError
-from .shm import MappedSegment
+from .shm import MappedSegment, reusable
 
 __all__ = ["SharedMemory"]
 
@@ -128,7 +128,7 @@ class SharedMemory:
                 f"this save needs {nbytes} bytes of shared memory; this machine has "
                 f"{physical}: it can never fit"
             )
-        fitting = [s for s in self._spares if nbytes <= s.capacity <= 2 * max(nbytes, 1)]
+        fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
         if fitting:
             spare = min(fitting, key=lambda s: s.capacity)
             self._spares.remove(spare)

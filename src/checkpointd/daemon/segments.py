@@ -19,7 +19,7 @@ from checkpointd.write.capture import StagingBuffer
 
 from . import protocol as p
 from .client import Connection
-from .shm import map_fd
+from .shm import map_fd, reusable
 
 __all__ = ["Mappings", "SegmentBuffer"]
 
@@ -111,7 +111,7 @@ class SegmentBuffer(StagingBuffer):
         if ahead is None:
             return None
         size, future = ahead
-        if nbytes <= size <= 2 * max(nbytes, 1):
+        if reusable(size, nbytes):
             try:
                 return future.result()
             except CheckpointError:  # refused at that size: ask for what is needed

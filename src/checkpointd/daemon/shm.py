@@ -24,7 +24,7 @@ import os
 from checkpointd import tunables
 from checkpointd.errors import ServiceError
 
-__all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "readonly_fd"]
+__all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "readonly_fd", "reusable"]
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -90,9 +90,16 @@ def _populated(fd: int, size: int) -> mmap.mmap:
     return mapped
 
 
+def reusable(capacity: int, nbytes: int) -> bool:
+    """Whether a segment of ``capacity`` bytes serves a save of ``nbytes``: large enough,
+    and at most twice as large (the service's rule for reusing a spare, which a client
+    asking for a segment ahead of its capture applies too)."""
+    return nbytes <= capacity <= 2 * max(nbytes, 1)
+
+
 def huge_pages_mode() -> str:
     """The kernel's setting for shared-memory huge pages (``advise``, ``never``...), or
-    ``unknown`` where it cannot be read: shown by ``checkpointd status``."""
+    ``unknown`` where it cannot be read: logged by ``checkpointd serve`` at start."""
     try:
         with open(_SHMEM_ENABLED, encoding="ascii") as file:
             words = file.read().split()
