@@ -80,13 +80,13 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
         return self._plain
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from checkpointd.state.shards import as_template, local_box
+        from checkpointd.state.shards import as_template, holders, local_box
 
         sharded = self.entry.sharded.get(name)
         template = self.templates.get(name)
         if sharded is not None:  # with its shards from the indexes, those this read needs
             box = None if template is None else local_box(template)
-            near = () if template is None else _holders(template)
+            near = () if template is None else holders(template)
             component = self.reader.indexes.component_of(self.entry)
             sharded = self.reader.indexes.sharded(component, name, sharded, box, near)
         if template is None:
@@ -111,19 +111,3 @@ class ComponentTensors(Mapping[str, "torch.Tensor"]):
 
     def __len__(self) -> int:
         return len({**self.plain(), **self.entry.sharded})
-
-
-def _holders(template: Any) -> list[int]:
-    """The ranks of live DTensor ``template``'s mesh that hold the same box as this rank
-    (its replicas along the Replicate dimensions, itself first): where a checkpoint saved
-    on this layout keeps the shard index that describes this rank's box."""
-    mesh, placements = template.device_mesh, tuple(template.placements)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return []
-    where = tuple(
-        slice(None) if p.is_replicate() else coordinate[d] for d, p in enumerate(placements)
-    )
-    ranks = [int(r) for r in mesh.mesh[where].flatten().tolist()]
-    me = int(mesh.mesh[tuple(coordinate)])
-    return [me] + [r for r in ranks if r != me]

@@ -24,6 +24,7 @@ __all__ = [
     "Box",
     "LocalShard",
     "as_template",
+    "holders",
     "intersect",
     "is_dtensor",
     "local_box",
@@ -114,6 +115,30 @@ def _replica(mesh: Any, placements: Sequence[Any], coordinate: Sequence[int]) ->
         if placement.is_replicate():
             index = index * mesh.size(dim) + coordinate[dim]
     return index
+
+
+def holders(template: Any) -> tuple[int, ...]:
+    """The ranks of live DTensor ``template``'s mesh that hold the same box as this rank
+    (its replicas along the Replicate dimensions, itself first): where a checkpoint saved
+    on this layout keeps the shard index that describes this rank's box. () outside
+    the mesh."""
+    return _holders(template.device_mesh, tuple(template.placements))
+
+
+@functools.lru_cache(maxsize=256)
+def _holders(mesh: Any, placements: tuple[Any, ...]) -> tuple[int, ...]:
+    """``holders``, cached: ``mesh.mesh`` builds a new rank tensor on every access
+    (tens of microseconds, per tensor restored)."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return ()
+    ranks_tensor = mesh.mesh
+    where = tuple(
+        slice(None) if p.is_replicate() else coordinate[d] for d, p in enumerate(placements)
+    )
+    ranks = [int(r) for r in ranks_tensor[where].flatten().tolist()]
+    me = int(ranks_tensor[tuple(coordinate)])
+    return (me, *(r for r in ranks if r != me))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
