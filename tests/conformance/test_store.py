@@ -240,6 +240,22 @@ def test_map_file_only_where_declared(store: Store) -> None:
             store.map_file("d/a")
 
 
+def test_a_pinned_file_outlives_its_deletion_unchanged(store: Store) -> None:
+    _write(store, "d/a", b"pinned bytes")
+    pinned = store.open_pinned("d/a")
+    if pinned is None:
+        pytest.skip("this store cannot pin a file (restore reads it whole instead)")
+    try:
+        store.remove_file("d/a")
+        _write(store, "d/a", b"other bytes!")  # a new file under the old name
+        buffer = memoryview(bytearray(12))
+        pinned.read_into(buffer)
+        assert bytes(buffer) == b"pinned bytes"
+        assert pinned.unchanged()  # deleting it is not a write into it
+    finally:
+        pinned.close()
+
+
 def test_pending_uploads_only_where_declared(store: Store, root: Root) -> None:
     if not store.capabilities.pending_uploads:
         assert store.pending_uploads() == []

@@ -256,5 +256,9 @@ class _HeldFile:
             buffer[at : at + len(view)] = view
             at += len(view)
 
+    def unchanged(self) -> bool:
+        """Always: nothing writes a held segment while a client has it."""
+        return True
+
     def close(self) -> None:
         """Nothing to close: the mapping is the restoring client's (recall.py)."""

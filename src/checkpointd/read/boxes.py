@@ -18,11 +18,12 @@ The order is inplace.py's, per block instead of per file (shards carry one CRC32
    ``Boxes.at_own_paths`` first checks the tree uses each live DTensor once, at the path
    it was taken for (else the component is read the usual way).
 3. **landing** (``Boxes.land``): where a part is contiguous both in the shard and in the
-   local shard (FSDP2's row shards, on any world size) its whole blocks are read straight
-   into the local shard and the blocks at its edges through the buffers, every block's
-   CRC32C computed again over what was read; other parts are read into fresh memory
-   through the pin (checked) and copied. On a pinned file only another program writing
-   into a committed file, or a media error, can fail here (CorruptCheckpointError).
+   local shard (FSDP2's row shards, on any world size) it is read straight into the
+   local shard in one read, not checked again: its blocks were checked in step 1 and
+   the pinned file must still be unchanged afterwards (``PinnedFile.unchanged``, as in
+   inplace.py); other parts are read into fresh memory through the pin (checked) and
+   copied. On a pinned file only another program writing into a committed file, or a
+   media error, can fail here (CorruptCheckpointError).
    A local shard on a device (CUDA) cannot be read into: each block of its contiguous
    parts is read into a staging block of the bounce buffer (bounce.py), checked there
    and copied to the device.
@@ -267,36 +268,23 @@ class Boxes:
 
     def _land_file(self, where: str, file: str, pieces: list[tuple[_Box, _Part]]) -> None:
         """``land`` for the pieces of one shard file: kept ones copied, strided ones read
-        fresh (checked) and copied, contiguous ones in one stream, straight into the
-        local shards but for the blocks at their edges (through the block buffers)."""
-        spans: list[Span] = []
-        owners: list[tuple[_Box, _Part, int]] = []
-        edges: dict[int, tuple[memoryview, int, int, int]] = {}  # span -> (dest, from, to, at)
+        fresh (checked) and copied, each contiguous one read straight into its local
+        shard in one read (its blocks were checked by the check pass); then
+        CorruptCheckpointError unless the pinned file is still unchanged."""
+        read = None
         for item, piece in pieces:
             if piece.kept is not None or piece.contiguous is None:
                 self._land_copied(file, item, piece)
                 continue
-            shard = piece.shard
+            read = read or self._read(file)
             begin, end, at = piece.contiguous
-            local = bytes_of(item.local)
-            for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
-                owners.append((item, piece, index))
-                if begin <= lo and hi <= end:
-                    spans.append((local[at + lo - begin : at + hi - begin], shard.begin + lo))
-                    continue
-                a, b = max(lo, begin), min(hi, end)
-                edges[len(spans)] = (local, a - lo, b - lo, at + a - begin)
-                spans.append((self._buffer(len(edges) % 2, hi - lo), shard.begin + lo))
-        if not spans:
-            return
-
-        def after(i: int, view: memoryview) -> None:
-            edge = edges.get(i)
-            if edge is not None:
-                local, a, b, to = edge
-                local[to : to + b - a] = view[a:b]
-
-        self._check_landed(where, file, owners, crc32c_each(spans, self._read(file), after))
+            read(bytes_of(item.local)[at : at + end - begin], piece.shard.begin + begin)
+        pinned = self._pins.get(file)
+        if read is not None and pinned is not None and not pinned.unchanged():
+            raise CorruptCheckpointError(
+                f"{where}/{file}: the shard file changed while it was being restored (it "
+                "was written into after its blocks' CRC32C were checked)"
+            )
 
     def _land_bounced(
         self, where: str, file: str, pieces: list[tuple[_Box, _Part]], staging: Bounce

@@ -30,13 +30,18 @@ of extra memory for the direct tensors:
    the direct tensors by reference (they did not change) and copies only what the
    load changed (non-direct tensors a module copies into, non-tensor leaves).
 3. **Landing** (cannot fail on a committed checkpoint): the direct tensors' bytes are
-   read from the pinned file straight into the live tensors, and the file's CRC32C is
-   computed again over what landed. On an unpinned store they are copied from the
-   file read in step 1, which cannot fail at all. On a pinned file only an in-place
-   write into a committed file by another program (checkpointd never writes one: files
-   are created under temporary names and renamed) or a media error between the two
-   reads could make this step fail; that is reported as CorruptCheckpointError naming
-   the components whose tensors may be part restored, after the rest is rolled back.
+   read from the pinned file straight into the live tensors, once, with no second
+   CRC32C: they are the bytes the check pass checked, read again from the same open
+   file, which must still be unchanged (``PinnedFile.unchanged``: its size and
+   modification time, which any write into it sets) once they have landed. On an
+   unpinned store they are copied from the file read in step 1, which cannot fail at
+   all. On a pinned file only an in-place write into a committed file by another
+   program (checkpointd never writes one: files are created under temporary names and
+   renamed) or a media error during the reads could make this step fail; that is
+   reported as CorruptCheckpointError naming the components whose tensors may be part
+   restored, after the rest is rolled back. Tensors landing on a device go through
+   the bounce buffer and are checked again there (the check overlaps the copy to the
+   device).
 
 Blocking; the caller's thread (it starts one helper thread per file while streaming).
 """

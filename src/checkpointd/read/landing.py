@@ -1,12 +1,13 @@
 """The two passes over a tensor file some of whose tensors restore straight into live
 tensors (inplace.py says why the order is all or nothing): the check pass streams the
 file through two reused chunk buffers, checks its CRC32C and copies its other tensors
-out; the landing pass reads the direct tensors' bytes into the live tensors and checks
-the CRC32C again over what landed. A ``storage.MappedFile`` (in memory, unwritten while
-open: the service's memory tier) is checked where it lies and landed with one copy,
-without the second check. Direct tensors on a device land through a ``bounce.Bounce``
-(read a block at a time into pinned staging, checked, copied). Blocking; the restoring thread (plus one helper
-thread per file while streaming)."""
+out; the landing pass reads the direct tensors' bytes into the live tensors, once, and
+then requires the pinned file unchanged since it was opened (no second CRC32C). A
+``storage.MappedFile`` (in memory, unwritten while open: the service's memory tier) is
+checked where it lies and landed with one copy. Direct tensors on a device land through
+a ``bounce.Bounce`` (read a block at a time into pinned staging, checked again there,
+copied). Blocking; the restoring thread (plus one helper thread per file while
+streaming)."""
 
 from __future__ import annotations
 
@@ -154,23 +155,14 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
         with Bounce() as own:  # allocates nothing unless used
             _check_landed(where, landing, _bounce(landing, pinned, staging or own))
         return
-    if isinstance(pinned, MappedFile):  # checked in the check pass; nothing writes it
-        for e in landing.entries:
-            if (live := landing.direct.get(e.name)) is not None:
-                pinned.read_into(bytes_of(live), landing.start + e.begin)
-        return
-    spans: list[tuple[memoryview, int | None]] = [(memoryview(landing.header), None)]
-    kept = iter(landing.kept)
     for e in landing.entries:
-        live = landing.direct.get(e.name)
-        if live is None:
-            spans.append((next(kept), None))
-            continue
-        view = bytes_of(live)
-        for at in range(0, len(view), tunables.READ_CHUNK_BYTES):
-            part = view[at : at + tunables.READ_CHUNK_BYTES]
-            spans.append((part, landing.start + e.begin + at))
-    _check_landed(where, landing, crc32c_stream(spans, pinned.read_into))
+        if (live := landing.direct.get(e.name)) is not None:
+            pinned.read_into(bytes_of(live), landing.start + e.begin)
+    if not pinned.unchanged():
+        raise CorruptCheckpointError(
+            f"{where}/{landing.file}: the file changed while it was being restored (it "
+            "was written into after its CRC32C was checked)"
+        )
 
 
 def _bounce(landing: Landing, pinned: PinnedFile, staging: Bounce) -> int:

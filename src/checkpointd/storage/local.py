@@ -190,15 +190,32 @@ class _PinnedLocal:
     def __init__(self, fd: int, target: str) -> None:
         self._fd = fd
         self._target = target
+        try:
+            self._stamp = _stamp(fd, target)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_into(self, buffer: memoryview, offset: int = 0) -> None:
         with translate_errors("read", self._target):
             _pread_all(self._fd, buffer, offset, self._target)
 
+    def unchanged(self) -> bool:
+        return _stamp(self._fd, self._target) == self._stamp
+
     def close(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+def _stamp(fd: int, target: str) -> tuple[int, int, int, int]:
+    """What a write into the open file ``fd`` changes: its size and modification time (a
+    write through any descriptor or shared map sets it), with the inode it is. Not the
+    status-change time: deleting or renaming the file (retention, gc) sets that too."""
+    with translate_errors("stat", target):
+        info = os.fstat(fd)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _fsync_dir(path: str) -> None:
