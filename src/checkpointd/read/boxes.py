@@ -45,6 +45,7 @@ from checkpointd.format.manifest import ShardedTensor, ShardEntry
 from checkpointd.read.bounce import Block, Bounce, needs_bounce, transfer_for
 from checkpointd.read.landing import bytes_of
 from checkpointd.read.reader import StepReader
+from checkpointd.read.targets import Taken
 from checkpointd.state.shards import Box, intersect, local_box
 from checkpointd.state.tree import alias_key, walk
 from checkpointd.storage.base import PinnedFile
@@ -120,7 +121,7 @@ class Boxes:
         self.boxes: dict[str, _Box] = {}
         self._pins: dict[str, PinnedFile | None] = {}
         self._buffers: list[memoryview] = []
-        self._spans: list[tuple[torch.device, int, int]] = []
+        self._taken = Taken()
 
     def keys(self) -> set[tuple[Any, ...]]:
         """``alias_key`` of every direct local shard (what a backup keeps by reference)."""
@@ -142,7 +143,7 @@ class Boxes:
         if dtype is None:
             return None  # the usual read reports the unknown dtype
         local, box = template.to_local(), local_box(template)
-        if not _fits(local, dtype, box) or not self._free(local):
+        if not _fits(local, dtype, box):
             return None
         item = _Box(name, template, local, box, dtype)
         for shard in sharded.shards:
@@ -158,17 +159,11 @@ class Boxes:
             item.parts.append(_Part(shard, part, span.lo, span.hi, span.total, contiguous))
         if sum(math.prod(p.part[1]) for p in item.parts) != local.numel():
             return None  # the shards do not cover the box: the usual path reports it
+        if not self._taken.take(local, local.nbytes):
+            return None  # overlaps another direct local shard's memory
         self.boxes[name] = item
-        start = local.data_ptr()
-        self._spans.append((local.device, start, start + local.numel() * local.element_size()))
         live: torch.Tensor = template
         return live
-
-    def _free(self, local: torch.Tensor) -> bool:
-        """Whether ``local``'s memory overlaps no direct local shard taken so far."""
-        lo = local.data_ptr()
-        hi = lo + local.numel() * local.element_size()
-        return not any(d == local.device and a < hi and lo < b for d, a, b in self._spans)
 
     def _pin(self, file: str) -> PinnedFile | None:
         if file not in self._pins:

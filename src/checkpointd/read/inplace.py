@@ -63,7 +63,7 @@ from checkpointd.read.bounce import Bounce, needs_bounce
 from checkpointd.read.boxes import Boxes
 from checkpointd.read.landing import Landing, check_pass, land_file
 from checkpointd.read.reader import StepReader
-from checkpointd.read.targets import dtensor_lands_in_place, lands_in_place
+from checkpointd.read.targets import Taken, dtensor_lands_in_place, lands_in_place
 from checkpointd.state.shards import is_dtensor
 from checkpointd.state.stateful import component_state, unwrap
 from checkpointd.state.tree import alias_key, map_tree, walk
@@ -161,7 +161,7 @@ def _direct(
         if isinstance(leaf, torch.Tensor) and id(leaf) in probe.handed:
             uses.setdefault(probe.handed[id(leaf)][0], []).append(path)
     direct: dict[str, torch.Tensor] = {}
-    taken: list[tuple[torch.device, int, int]] = []
+    taken = Taken()
     for name, paths in uses.items():
         entry = by_name.get(name)
         if entry is None or len(paths) != probe.requests.get(name):
@@ -172,10 +172,8 @@ def _direct(
             continue
         if any(d is None or alias_key(d) != alias_key(first) for d in dests[1:]):
             continue
-        span = (first.device, first.data_ptr(), first.data_ptr() + entry.end - entry.begin)
-        if any(d == span[0] and a < span[2] and span[1] < b for d, a, b in taken):
+        if not taken.take(first, entry.end - entry.begin):
             continue  # overlaps another direct tensor's memory: copy it the usual way
-        taken.append(span)
         direct[name] = first
     return direct
 

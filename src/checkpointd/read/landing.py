@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from checkpointd import tunables
@@ -24,6 +25,7 @@ from checkpointd.format.header import TensorEntry
 from checkpointd.read.bounce import Bounce, Piece, needs_bounce
 from checkpointd.read.reader import StepReader
 from checkpointd.storage.base import MappedFile, PinnedFile
+from checkpointd.write import bytecopy
 
 __all__ = ["Landing", "bytes_of", "check_pass", "land_file"]
 
@@ -154,6 +156,16 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
     if any(needs_bounce(live) for live in landing.direct.values()):
         with Bounce() as own:  # allocates nothing unless used
             _check_landed(where, landing, _bounce(landing, pinned, staging or own))
+        return
+    if isinstance(pinned, MappedFile):  # checked where it lies; copied on the free cores
+        spans: list[tuple[int, int, int]] = []
+        for e in landing.entries:
+            if (live := landing.direct.get(e.name)) is not None:
+                at = live.data_ptr()
+                for view in pinned.views(landing.start + e.begin, e.end - e.begin):
+                    spans.append((at, np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)))
+                    at += len(view)
+        bytecopy.copy_spans(spans)
         return
     for e in landing.entries:
         if (live := landing.direct.get(e.name)) is not None:

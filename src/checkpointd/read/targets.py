@@ -5,13 +5,14 @@ inspection of the live objects; any thread."""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
 
 from checkpointd.state.stateful import unwrap
 
-__all__ = ["dtensor_lands_in_place", "lands_in_place"]
+__all__ = ["Taken", "dtensor_lands_in_place", "lands_in_place"]
 
 
 _OWN_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_state_dict_pre_hooks")
@@ -100,3 +101,26 @@ def dtensor_lands_in_place(target: Any) -> str | None:
     if type(live) is dict:
         return "adopt"
     return None
+
+
+class Taken:
+    """The memory of the live tensors taken so far to land bytes in: a tensor whose bytes
+    overlap one of them is not taken (it is read the usual way). Sorted per device."""
+
+    def __init__(self) -> None:
+        self._starts: dict[torch.device, list[int]] = {}
+        self._ends: dict[torch.device, list[int]] = {}
+
+    def take(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        """Take ``nbytes`` of ``tensor``'s memory from its first byte; False (nothing
+        taken) if they overlap memory already taken."""
+        lo = tensor.data_ptr()
+        hi = lo + nbytes
+        starts = self._starts.setdefault(tensor.device, [])
+        ends = self._ends.setdefault(tensor.device, [])
+        i = bisect.bisect_left(starts, lo)
+        if (i < len(starts) and starts[i] < hi) or (i > 0 and ends[i - 1] > lo):
+            return False
+        starts.insert(i, lo)
+        ends.insert(i, hi)
+        return True

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["copy_plain", "plain"]
+__all__ = ["copy_plain", "copy_spans", "plain"]
 
 CHUNK_BYTES = 8 * 2**20
 """Bytes one thread copies at a time: the longest the caller waits for a helper."""
@@ -65,11 +65,21 @@ def _threads() -> int:
 def copy_plain(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``(source, target)`` pair, every one ``plain``, byte for byte; returns
     once all bytes are copied. Caller's thread (it copies too)."""
+    copy_spans(
+        [
+            (target.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+            for source, target in copies
+        ]
+    )
+
+
+def copy_spans(spans: Sequence[tuple[int, int, int]]) -> None:
+    """Copy each ``(destination address, source address, bytes)`` span, none overlapping
+    another; returns once all bytes are copied. The caller keeps both sides alive (and
+    mapped) until then. Caller's thread (it copies too)."""
     chunks: list[tuple[int, int, int]] = []
     total = 0
-    for source, target in copies:
-        nbytes = source.numel() * source.element_size()
-        src, dst = source.data_ptr(), target.data_ptr()
+    for dst, src, nbytes in spans:
         for start in range(0, nbytes, CHUNK_BYTES):
             chunks.append((dst + start, src + start, min(CHUNK_BYTES, nbytes - start)))
         total += nbytes
