@@ -98,9 +98,13 @@ def crc32c_each(
     spans: Sequence[Span],
     read: Callable[[memoryview, int], None],
     after: Callable[[int, memoryview], None] | None = None,
+    *,
+    pieces: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
-    """As ``crc32c_stream``, but the CRC32C of each span on its own (per-block digests)."""
-    return _stream(spans, read, after, chained=False)
+    """As ``crc32c_stream``, but the CRC32C of each span on its own (per-block digests);
+    with ``pieces``, of each piece of each span instead: ``pieces[i]`` the lengths of
+    span ``i``'s consecutive pieces from its start (several blocks read at once)."""
+    return _stream(spans, read, after, chained=False, pieces=pieces)
 
 
 def _stream(
@@ -109,15 +113,27 @@ def _stream(
     after: Callable[[int, memoryview], None] | None,
     *,
     chained: bool,
+    pieces: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
-    """The digest after each span, continued from the previous one if ``chained``."""
+    """The digest after each span, continued from the previous one if ``chained``; or,
+    with ``pieces`` (not chained), of each of its pieces."""
     digests: list[int] = []
     digest = 0
+
+    def each(i: int, view: memoryview) -> None:
+        at = 0
+        for length in pieces[i] if pieces is not None else (len(view),):
+            digests.append(crc32c(view[at : at + length]))
+            at += length
+
     if len(spans) == 1:  # nothing to overlap: no helper thread
         view, offset = spans[0]
         if offset is not None:
             read(view, offset)
-        digests.append(crc32c(view))
+        if chained:
+            digests.append(crc32c(view))
+        else:
+            each(0, view)
         if after is not None:
             after(0, view)
         return digests
@@ -135,8 +151,11 @@ def _stream(
                 pending.result()
             pending = start(i + 1)
             try:
-                digest = crc32c(view, digest if chained else 0)
-                digests.append(digest)
+                if chained:
+                    digest = crc32c(view, digest)
+                    digests.append(digest)
+                else:
+                    each(i, view)
                 if after is not None:
                     after(i, view)
             except BaseException:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import Span, crc32c_each
 from checkpointd.format.manifest import ShardedTensor, ShardEntry
@@ -222,16 +223,29 @@ class Boxes:
                 continue
             if not self.reader.verify:
                 continue
-            spans: list[Span] = []
+            # Blocks next to each other in the file are read together, up to a chunk.
+            reads: list[list[int]] = []  # [file offset, bytes, block bytes...] per read
             owners: list[tuple[_Part, int]] = []
             for _, piece in pieces:
                 for index, (begin, end) in zip(
                     range(piece.lo, piece.hi), self._blocks(piece), strict=True
                 ):
-                    view = self._buffer(len(spans) % 2, end - begin)
-                    spans.append((view, piece.shard.begin + begin))
+                    at, size = piece.shard.begin + begin, end - begin
+                    last = reads[-1] if reads else None
+                    if (
+                        last
+                        and last[0] + last[1] == at
+                        and last[1] + size <= tunables.READ_CHUNK_BYTES
+                    ):
+                        last[1] += size
+                        last.append(size)
+                    else:
+                        reads.append([at, size, size])
                     owners.append((piece, index))
-            digests = crc32c_each(spans, self._read(file))
+            spans: list[Span] = [
+                (self._buffer(i % 2, size), at) for i, (at, size, *_) in enumerate(reads)
+            ]
+            digests = crc32c_each(spans, self._read(file), pieces=[r[2:] for r in reads])
             for (piece, index), digest in zip(owners, digests, strict=True):
                 self.reader.check_block(piece.shard, index, digest)
 
