@@ -58,7 +58,7 @@ def test_without_populate_write_the_segment_is_mapped_populated(
 ) -> None:
     """A kernel older than 5.14 refuses MADV_POPULATE_WRITE (EINVAL): the segment is
     mapped again with MAP_POPULATE, whole and writable."""
-    monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows
+    monkeypatch.setattr(shm, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows
     segment = MappedSegment(2, _SIZE)
     try:
         assert _smaps_field(_address(segment.map), "Rss") * 1024 >= _SIZE

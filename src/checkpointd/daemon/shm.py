@@ -23,10 +23,10 @@ import os
 
 from checkpointd import tunables
 from checkpointd.errors import ServiceError
+from checkpointd.read.hostmem import MADV_POPULATE_WRITE
 
 __all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "readonly_fd", "reusable"]
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
@@ -80,7 +80,7 @@ def _populated(fd: int, size: int) -> mmap.mmap:
         if tunables.SHM_HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):
                 mapped.madvise(mmap.MADV_HUGEPAGE)
-        mapped.madvise(_MADV_POPULATE_WRITE)
+        mapped.madvise(MADV_POPULATE_WRITE)
     except OSError:
         mapped.close()
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))

@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
     from checkpointd.storage.base import PinnedFile
 
-__all__ = ["prefault", "read_checked"]
+__all__ = ["MADV_POPULATE_WRITE", "prefault", "read_checked"]
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h
+MADV_POPULATE_WRITE = 23
+"""``madvise`` advice (linux/mman.h, Linux 5.14+; not in Python's ``mmap`` before 3.13):
+populate a range writable, every page allocated."""
 _PAGE = mmap.PAGESIZE
 _madvise: Any = None
 _works = sys.platform.startswith("linux")
@@ -64,7 +66,7 @@ def prefault(address: int, length: int) -> None:
     if function is None:
         return
     start = address - address % _PAGE
-    if function(start, length + (address - start), _MADV_POPULATE_WRITE) != 0:
+    if function(start, length + (address - start), MADV_POPULATE_WRITE) != 0:
         _works = False  # EINVAL before Linux 5.14 (or not Linux): let the reads fault
 
 
