@@ -10,6 +10,9 @@ repetition; it prints medians with [min..max] and the ratios the goals are on:
 - the same in a fresh process (what a resume after a crash does): a child
   process builds the model (its memory touched, as a constructor's init does),
   then times only the restore, and reports its peak extra RSS during it;
+- ``load`` in a fresh process too (a warm process's ``torch.load`` may get its
+  tensors' memory back from glibc's heap, already faulted in, where a fresh process
+  faults every page: the warm ``torch.load`` is bimodal, 0.03 s or 0.16 s for 290 MB);
 - the memcpy floor: the same bytes copied into tensors already touched;
 - with ``--ranks-mb``: FSDP2 + AdamW on 2 and 4 ranks, and 3 ranks restoring what 2
   saved, ``checkpointd.restore`` vs ``dcp.load`` + ``set_state_dict`` (bench_ranks);
@@ -104,17 +107,27 @@ def _checkpointd_restore(model: torch.nn.Module, root: Path) -> None:
 
 
 def child(kind: str, where: Path, d: int) -> dict[str, float]:
-    """In a fresh process: build the model, then time one restore and its peak extra RSS."""
-    model = build(d, seed=None)
+    """In a fresh process: build the model (for a restore), then time one restore or
+    load (kind ``torch``, ``checkpointd``, ``torch.load``, ``checkpointd.load``) and its
+    peak extra RSS."""
+    model = build(d, seed=None) if not kind.endswith(".load") else None
     gc.collect()
     _reset_peak()
     before = _status("VmRSS")
+    loaded: Any = None  # kept until timed: freeing it is not part of a load
     start = time.perf_counter()
-    if kind == "torch":
+    if kind == "torch.load":
+        loaded = torch.load(where, weights_only=True)
+    elif kind == "checkpointd.load":
+        loaded = checkpointd.load(str(where))
+    elif kind == "torch":
+        assert model is not None
         _torch_restore(model, where)
     else:
+        assert model is not None
         _checkpointd_restore(model, where)
     seconds = time.perf_counter() - start
+    del loaded
     peak = _status("VmHWM")
     return {"seconds": seconds, "extra_rss": float(max(0, peak - before))}
 
@@ -140,12 +153,18 @@ def compare(
     path, root = folder / "model.pt", folder / "ckpt"
     nbytes = _in_one_process(table, d, path, root, reps=reps, log=log)
     gc.collect()
-    kinds = [("torch", path), ("checkpointd", root)]
+    kinds = [
+        ("torch", path),
+        ("checkpointd", root),
+        ("torch.load", path),
+        ("checkpointd.load", root),
+    ]
     for rep in range(fresh_reps):
-        for kind, where in kinds[rep % 2 :] + kinds[: rep % 2]:
+        for kind, where in kinds[rep % 4 :] + kinds[: rep % 4]:
             result = _fresh(kind, where, d)
             table.add(f"{kind}.fresh", result["seconds"])
-            table.add(f"{kind}.fresh_extra_rss", result["extra_rss"])
+            if not kind.endswith(".load"):
+                table.add(f"{kind}.fresh_extra_rss", result["extra_rss"])
         log(f"  fresh rep {rep + 1}/{fresh_reps} done")
     return table, nbytes
 
@@ -203,6 +222,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 ROWS = (
     ("load", "checkpointd.load", "torch.load", 0.7),
+    ("load, fresh process", "checkpointd.load.fresh", "torch.load.fresh", 0.7),
     ("restore, warm", "checkpointd.read.restore", "torch.restore", 0.8),
     ("restore, fresh process", "checkpointd.fresh", "torch.fresh", 0.6),
 )
@@ -219,6 +239,8 @@ def report(table: Table, nbytes: int) -> list[str]:
         "checkpointd.read.restore": "checkpointd.restore warm",
         "torch.fresh": "load_state_dict(torch.load) fresh",
         "checkpointd.fresh": "checkpointd.restore fresh",
+        "torch.load.fresh": "torch.load fresh",
+        "checkpointd.load.fresh": "checkpointd.load fresh",
     }
     for key, label in labels.items():
         if key in table.series:

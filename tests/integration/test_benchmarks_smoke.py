@@ -111,9 +111,12 @@ def test_restore_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "checkpointd.read.restore",
         "torch.fresh",
         "checkpointd.fresh",
+        "torch.load.fresh",
+        "checkpointd.load.fresh",
     ):
         assert results["series"][name]["median"] > 0, name
     assert "restore, fresh process" in results["ratios"]
+    assert "load, fresh process" in results["ratios"]
     assert "checkpointd / torch" in capsys.readouterr().out
 
 
