@@ -16,6 +16,7 @@ from checkpointd.daemon import protocol as p
 from checkpointd.daemon.snapshot import describe, rebuild
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry
+from checkpointd.format.layout import DIRECT_ALIGN
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot, plan_snapshot
 
@@ -89,6 +90,21 @@ def test_the_trainers_shard_block_size_travels_with_the_snapshot(
     )
 
 
+def test_the_trainers_direct_io_threshold_travels_with_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tunables, "DIRECT_MIN_BYTES", 1)  # every data region aligned
+    snapshot, arena = _snapshot()
+    monkeypatch.setattr(tunables, "DIRECT_MIN_BYTES", 2**20)  # the service's own
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    assert rebuilt.direct_min == 1
+    files = _files(rebuilt)
+    assert files == _files(snapshot)
+    for name in ("model.tok.safetensors", "model.tok.rank1.safetensors"):  # tensors, shards
+        data_start = 8 + int.from_bytes(files[name][:8], "little")
+        assert data_start % DIRECT_ALIGN == 0, name  # the trainer's setting, not the service's
+
+
 def test_more_shard_blocks_than_a_manifest_can_list_is_a_protocol_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -132,6 +148,7 @@ HOSTILE = {
     "a shard twice": lambda d: _component(d, shards=[d.components[0].shards[0]] * 2),
     "a shard block of 0 bytes": lambda d: msgspec.structs.replace(d, shard_block=0),
     "a negative shard block": lambda d: msgspec.structs.replace(d, shard_block=-8),
+    "a negative direct I/O threshold": lambda d: msgspec.structs.replace(d, direct_min=-1),
 }
 
 

@@ -159,6 +159,9 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shard_block: int | None = None
     """Bytes per CRC32C block of a shard (the trainer's ``tunables.SHARD_BLOCK_BYTES`` at
     ``save()``); None: the service's."""
+    direct_min: int | None = None
+    """The data region size from which a tensor file's data starts aligned for direct
+    I/O (the trainer's ``tunables.DIRECT_MIN_BYTES``); None: the service's."""
 
 
 class Submit(_Msg):

@@ -79,6 +79,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         attempt=snapshot.attempt,
         rank=snapshot.rank,
         shard_block=snapshot.shard_block,
+        direct_min=snapshot.direct_min,
     )
 
 
@@ -125,6 +126,9 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
         )
     block = tunables.SHARD_BLOCK_BYTES if desc.shard_block is None else desc.shard_block
     _check_block(block, components)
+    direct_min = tunables.DIRECT_MIN_BYTES if desc.direct_min is None else desc.direct_min
+    if direct_min < 0:
+        raise ProtocolError(f"direct I/O threshold {direct_min} is negative")
     try:
         return Snapshot(
             desc.step,
@@ -138,6 +142,7 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
             attempt=desc.attempt,
             rank=desc.rank,
             shard_block=block,
+            direct_min=direct_min,
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None

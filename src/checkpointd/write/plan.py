@@ -92,6 +92,9 @@ class Snapshot:
     shard_block: int = field(default_factory=lambda: tunables.SHARD_BLOCK_BYTES)
     """Bytes per CRC32C block of each shard (``tunables.SHARD_BLOCK_BYTES`` when the
     snapshot is made, at ``save()``; the service plans with the trainer's)."""
+    direct_min: int = field(default_factory=lambda: tunables.DIRECT_MIN_BYTES)
+    """A tensor file's data region of this many bytes or more starts DIRECT_ALIGN-aligned
+    (``tunables.DIRECT_MIN_BYTES`` at ``save()``, as ``shard_block``)."""
 
 
 def _size(parts: Sequence[BytesLike]) -> int:
@@ -243,7 +246,7 @@ def plan_snapshot(
     tree file, a tensor file if it has tensors not stored as ``blobs``, this rank's
     shard file if it holds shards; then the blobs to write or keep.
 
-    A data region of tunables.DIRECT_MIN_BYTES or more starts DIRECT_ALIGN-aligned in its
+    A data region of ``snapshot.direct_min`` bytes or more starts DIRECT_ALIGN-aligned in its
     file, so it can be written with direct I/O. Any thread; off the event loop for a
     large state (shard block CRC32Cs are computed here).
     """
@@ -258,7 +261,7 @@ def plan_snapshot(
         tree = tree_file_name(name, token)
         files.append(_step_file(own, tree, [encode_tree(component.tree)], name, snapshot.rank))
         tensor_names: list[str] = []
-        parts = _tensor_parts(component, snapshot.buffer, refs)
+        parts = _tensor_parts(component, snapshot.buffer, refs, snapshot.direct_min)
         if parts is not None:
             tensors = tensor_file_name(name, token)
             tensor_names.append(tensors)
@@ -286,7 +289,10 @@ def _step_file(
 
 
 def _tensor_parts(
-    component: CapturedComponent, buffer: StagingBuffer, refs: Mapping[str, BlobRef]
+    component: CapturedComponent,
+    buffer: StagingBuffer,
+    refs: Mapping[str, BlobRef],
+    direct_min: int,
 ) -> list[BytesLike] | None:
     """The parts of ``component``'s tensor file (header, then data), leaving out the
     tensors stored as blobs (``refs``); None if no tensor is left."""
@@ -294,7 +300,7 @@ def _tensor_parts(
         if not component.entries:
             return None
         data = buffer.view(component.offset, component.nbytes)
-        return [_header(component.entries, component.nbytes), data]
+        return [_header(component.entries, component.nbytes, direct_min), data]
     small: list[TensorEntry] = []
     views: list[BytesLike] = []
     position = 0
@@ -305,11 +311,11 @@ def _tensor_parts(
         small.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
         views.append(buffer.view(component.offset + entry.begin, size))
         position += size
-    return [_header(small, position), *views] if small else None
+    return [_header(small, position, direct_min), *views] if small else None
 
 
-def _header(entries: list[TensorEntry], nbytes: int) -> bytes:
-    align = DIRECT_ALIGN if nbytes >= tunables.DIRECT_MIN_BYTES else HEADER_ALIGN
+def _header(entries: list[TensorEntry], nbytes: int, direct_min: int) -> bytes:
+    align = DIRECT_ALIGN if nbytes >= direct_min else HEADER_ALIGN
     return encode_safetensors_header(entries, align=align)
 
 
@@ -340,7 +346,7 @@ def _plan_shards(
         size = entry.end - entry.begin
         entries.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
         position += size
-    header = _header(entries, position) if entries else b""
+    header = _header(entries, position, snapshot.direct_min) if entries else b""
     begins = {entry.name: len(header) + entry.begin for entry in entries}
     by_name = {s.name: s for s in component.shards}
     for entry in component.shard_entries:
