@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import Span, crc32c_each
 from checkpointd.format.manifest import ShardedTensor, ShardEntry
@@ -223,25 +222,27 @@ class Boxes:
                 continue
             if not self.reader.verify:
                 continue
-            # Blocks next to each other in the file are read together, up to a chunk.
-            reads: list[list[int]] = []  # [file offset, bytes, block bytes...] per read
-            owners: list[tuple[_Part, int]] = []
-            for _, piece in pieces:
+            blocks = [
+                (piece, index, piece.shard.begin + begin, end - begin)
+                for _, piece in pieces
                 for index, (begin, end) in zip(
                     range(piece.lo, piece.hi), self._blocks(piece), strict=True
-                ):
-                    at, size = piece.shard.begin + begin, end - begin
-                    last = reads[-1] if reads else None
-                    if (
-                        last
-                        and last[0] + last[1] == at
-                        and last[1] + size <= tunables.READ_CHUNK_BYTES
-                    ):
-                        last[1] += size
-                        last.append(size)
-                    else:
-                        reads.append([at, size, size])
-                    owners.append((piece, index))
+                )
+            ]
+            if not blocks:
+                continue
+            # Blocks next to each other in the file are read together, as many as fit
+            # in the buffers the largest block needs anyway (fresh memory costs faults).
+            fits = max(size for *_, size in blocks)
+            reads: list[list[int]] = []  # [file offset, bytes, block bytes...] per read
+            for _, _, at, size in blocks:
+                last = reads[-1] if reads else None
+                if last and last[0] + last[1] == at and last[1] + size <= fits:
+                    last[1] += size
+                    last.append(size)
+                else:
+                    reads.append([at, size, size])
+            owners = [(piece, index) for piece, index, _, _ in blocks]
             spans: list[Span] = [
                 (self._buffer(i % 2, size), at) for i, (at, size, *_) in enumerate(reads)
             ]
