@@ -31,8 +31,6 @@ import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,6 +48,8 @@ from benchmarks.common import (
     memcpy_floor,
     nbytes_of,
     pick_folder,
+    repo_env,
+    start_service,
     tensors_of,
     transformer,
     work_dir,
@@ -57,40 +57,10 @@ from benchmarks.common import (
 from benchmarks.kill_trainers import kill_trials
 from benchmarks.service_rank_worker import fsdp2_rows
 
-REPO = Path(__file__).resolve().parents[1]
-
 WARMUP = 2
 """Saves per writer measured apart (``*.firstblocked``/``*.firstdurable``): with
 ``keep_last`` and the memory tier at 1, the service's third save is the first to
 reuse a segment."""
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-
-
-def _start_service(folder: str, *args: str) -> subprocess.Popen[bytes]:
-    from checkpointd.daemon.client import Connection
-    from checkpointd.errors import ServiceError
-
-    socket = os.path.join(folder, "sock")
-    with open(os.path.join(folder, "serve.log"), "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket, *args],
-            env=_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-        )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            Connection(socket).close()
-            return proc
-        except ServiceError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _training_during_saves(
@@ -138,7 +108,7 @@ def _training_rows(folder: Path, socket: str, frozen: Any, windows: int, table: 
     """``_training_during_saves`` for the in-process writer, the service at ``socket``
     (default priority) and one more service at the trainer's priority."""
     plain = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
-    full = _start_service(plain, "--niceness", "0", "--io-priority", "none")
+    full = start_service(plain, "--niceness", "0", "--io-priority", "none")
     try:
         trainers = {
             "inproc": checkpointd.CheckpointWriter(str(folder / "t-inproc"), keep_last=1),
@@ -201,10 +171,10 @@ def _kill_rows(folder: Path, nbytes: int, kills: int) -> dict[str, Any]:
     memory (each trial's root keeps a copy in memory: the cap evicts them), each trainer
     saving a tensor of at most 32 MB per step."""
     sockets = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
-    service = _start_service(sockets, "--memory-limit", "1G")
+    service = start_service(sockets, "--memory-limit", "1G")
     try:
         numel = max(1, min(nbytes // 4, 8 * 1024 * 1024))
-        return kill_trials(os.path.join(sockets, "sock"), folder, kills, numel, _env())
+        return kill_trials(os.path.join(sockets, "sock"), folder, kills, numel, repo_env())
     finally:
         service.terminate()
         service.wait(60)
@@ -229,7 +199,7 @@ def run(
     for t in targets:
         t.zero_()
     sockets = tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp")
-    service = _start_service(sockets)
+    service = start_service(sockets)
     socket = os.path.join(sockets, "sock")
     table = Table()
     try:
@@ -267,7 +237,7 @@ def run(
         fsdp2_bytes = 0
         if fsdp2_mb > 0:
             fsdp2_bytes = fsdp2_rows(
-                folder, fsdp2_mb, reps, table, start_service=_start_service, env=_env()
+                folder, fsdp2_mb, reps, table, start_service=start_service, env=repo_env()
             )
     finally:
         service.terminate()

@@ -14,6 +14,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from checkpointd.state.tree import flatten, walk
 
 MiB = 2**20
 GB = 10**9
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------
@@ -326,3 +328,39 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def repo_env(src: str | Path = REPO / "src") -> dict[str, str]:
+    """This process's environment with ``src`` (this checkout's by default, or another
+    worktree's for a before/after run) and the repository on PYTHONPATH: what a child
+    process (a rank, a trainer, a service) is started with."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO)])}
+
+
+def start_service(
+    folder: str, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``checkpointd serve --socket FOLDER/sock ARGS`` (its output in ``FOLDER/serve.log``,
+    ``env`` by default ``repo_env()``), returned once it accepts a connection;
+    ServiceError if it exits or does not answer within 60 s."""
+    from checkpointd.daemon.client import Connection
+    from checkpointd.errors import ServiceError
+
+    socket = os.path.join(folder, "sock")
+    with open(os.path.join(folder, "serve.log"), "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket, *args],
+            env=dict(repo_env() if env is None else env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            Connection(socket).close()
+            return proc
+        except ServiceError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

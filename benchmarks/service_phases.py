@@ -38,7 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import REPO, repo_env, start_service
+
 WORLD = 2
 WARMUP = 2
 PHASES = ("blocked", "acquire", "snapshot", "by_name", "reserve", "alloc", "map", "copy")
@@ -138,38 +139,11 @@ def rank_main(rank: int, port: str, sockets: str, folder: str, *, mb: float, rep
     dist.destroy_process_group()
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-
-
-def _service(folder: str) -> subprocess.Popen[bytes]:
-    from checkpointd.daemon.client import Connection
-    from checkpointd.errors import ServiceError
-
-    path = os.path.join(folder, "sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointd", "serve", "--socket", path],
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            Connection(path).close()
-            return proc
-        except ServiceError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def run(mb: float, reps: int) -> list[dict[str, Any]]:
     """Each rank's ``{"rank": R, "times": {writer: [phases per save]}}``."""
     folders = [tempfile.mkdtemp(prefix="ckd-bench-", dir="/tmp") for _ in range(WORLD)]
     roots = tempfile.mkdtemp(prefix="ckd-phases-", dir="/tmp")
-    services = [_service(f) for f in folders]
+    services = [start_service(f) for f in folders]
     try:
         sockets = ",".join(os.path.join(f, "sock") for f in folders)
         with socket.socket() as probe:
@@ -191,7 +165,7 @@ def run(mb: float, reps: int) -> list[dict[str, Any]]:
                     "--reps",
                     str(reps),
                 ],
-                env=_env(),
+                env=repo_env(),
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import REPO, repo_env, start_service
 
 
 def _wait_for(path: str) -> None:
@@ -56,17 +56,11 @@ def main() -> None:
     if args.trainer:
         trainer(*args.trainer, args.saves, args.mb)
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.src, str(REPO)])}
+    env = repo_env(args.src)
     work = tempfile.mkdtemp(prefix="ckd-shared-", dir="/tmp")
     socket = os.path.join(work, "sock")
-    service = subprocess.Popen(
-        [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    service = start_service(work, env=env)
     try:
-        _wait_for(socket)
         folders = [os.path.join(work, f"t{i}") for i in range(2)]
         trainers = []
         for folder in folders:
