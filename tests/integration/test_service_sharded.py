@@ -119,10 +119,13 @@ def test_fsdp2_through_the_service_writes_the_files_an_in_process_save_writes(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_saved_through_the_service_restores_bit_exact(
-    saved: tuple[Path, Path, Path], world: int, tmp_path: Path
+@pytest.mark.parametrize("made", ["saved", "overlapped"])
+def test_fsdp2_through_the_service_restores_bit_exact(
+    made: str, world: int, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    svc, out, _ = saved
+    """Saved in order or with staging=overlapped, restored on the saving world size and
+    on another."""
+    svc, out, _ = request.getfixturevalue(made)
     check_restored(out, job("restore", "fsdp2", str(svc), tmp_path / "restore", world))
 
 
@@ -134,14 +137,6 @@ def test_fsdp2_overlapped_through_the_service_writes_what_in_process_writes(
         report = json.loads((out / f"rank{rank}.json").read_text())
         assert report["staged_at_return"] is False, report  # handed over after return
     _same_files(svc, local)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_overlapped_through_the_service_restores_bit_exact(
-    overlapped: tuple[Path, Path, Path], world: int, tmp_path: Path
-) -> None:
-    svc, out, _ = overlapped
-    check_restored(out, job("restore", "fsdp2", str(svc), tmp_path / "restore", world))
 
 
 def test_fsdp2_async_writer_through_the_service_writes_what_in_process_writes(
