@@ -261,7 +261,7 @@ def plan_snapshot(
         tree = tree_file_name(name, token)
         files.append(_step_file(own, tree, [encode_tree(component.tree)], name, snapshot.rank))
         tensor_names: list[str] = []
-        parts = _tensor_parts(component, snapshot.buffer, refs, snapshot.direct_min)
+        parts = _tensor_parts(component, snapshot, refs)
         if parts is not None:
             tensors = tensor_file_name(name, token)
             tensor_names.append(tensors)
@@ -289,13 +289,11 @@ def _step_file(
 
 
 def _tensor_parts(
-    component: CapturedComponent,
-    buffer: StagingBuffer,
-    refs: Mapping[str, BlobRef],
-    direct_min: int,
+    component: CapturedComponent, snapshot: Snapshot, refs: Mapping[str, BlobRef]
 ) -> list[BytesLike] | None:
     """The parts of ``component``'s tensor file (header, then data), leaving out the
     tensors stored as blobs (``refs``); None if no tensor is left."""
+    buffer, direct_min = snapshot.buffer, snapshot.direct_min
     if not refs:
         if not component.entries:
             return None
