@@ -43,7 +43,7 @@ from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import Span, crc32c_each
 from checkpointd.format.manifest import ShardedTensor, ShardEntry
 from checkpointd.read.bounce import Block, Bounce, needs_bounce, transfer_for
-from checkpointd.read.landing import bytes_of
+from checkpointd.read.landing import bytes_of, require_unchanged
 from checkpointd.read.reader import StepReader
 from checkpointd.read.targets import Taken
 from checkpointd.state.shards import Box, intersect, local_box
@@ -280,21 +280,16 @@ class Boxes:
         """``land`` for the pieces of one shard file: kept ones copied, strided ones read
         fresh (checked) and copied, each contiguous one read straight into its local
         shard in one read (its blocks were checked by the check pass); then
-        CorruptCheckpointError unless the pinned file is still unchanged."""
-        read = None
+        CorruptCheckpointError unless a pinned file is still unchanged."""
         for item, piece in pieces:
             if piece.kept is not None or piece.contiguous is None:
                 self._land_copied(file, item, piece)
                 continue
-            read = read or self._read(file)
             begin, end, at = piece.contiguous
-            read(bytes_of(item.local)[at : at + end - begin], piece.shard.begin + begin)
-        pinned = self._pins.get(file)
-        if read is not None and pinned is not None and not pinned.unchanged():
-            raise CorruptCheckpointError(
-                f"{where}/{file}: the shard file changed while it was being restored (it "
-                "was written into after its blocks' CRC32C were checked)"
-            )
+            local = bytes_of(item.local)[at : at + end - begin]
+            self._read(file)(local, piece.shard.begin + begin)
+        if (pinned := self._pins.get(file)) is not None:
+            require_unchanged(where, file, pinned)
 
     def _land_bounced(
         self, where: str, file: str, pieces: list[tuple[_Box, _Part]], staging: Bounce

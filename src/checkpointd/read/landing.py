@@ -27,7 +27,7 @@ from checkpointd.read.reader import StepReader
 from checkpointd.storage.base import MappedFile, PinnedFile
 from checkpointd.write import bytecopy
 
-__all__ = ["Landing", "bytes_of", "check_pass", "land_file"]
+__all__ = ["Landing", "bytes_of", "check_pass", "land_file", "require_unchanged"]
 
 _ALIGN = 64
 """Alignment of each tensor copied out into fresh memory during the check pass."""
@@ -170,10 +170,16 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
     for e in landing.entries:
         if (live := landing.direct.get(e.name)) is not None:
             pinned.read_into(bytes_of(live), landing.start + e.begin)
+    require_unchanged(where, landing.file, pinned)
+
+
+def require_unchanged(where: str, file: str, pinned: PinnedFile) -> None:
+    """After landing checked bytes read again from ``pinned`` (``file`` of step ``where``):
+    CorruptCheckpointError unless nothing has written into it since it was opened."""
     if not pinned.unchanged():
         raise CorruptCheckpointError(
-            f"{where}/{landing.file}: the file changed while it was being restored (it "
-            "was written into after its CRC32C was checked)"
+            f"{where}/{file}: the file changed while it was being restored (it was "
+            "written into after its CRC32C was checked)"
         )
 
 

@@ -134,8 +134,9 @@ class PinnedFile(Protocol):
     def unchanged(self) -> bool:
         """Whether nothing has written into the file since it was opened, as far as its
         metadata shows (its size and modification time: a write through any descriptor
-        or map sets it; deleting or renaming the file does not count). Restore lands bytes it checked once from a file
-        that is still unchanged after the landing reads (read/landing.py)."""
+        or map sets it; deleting or renaming the file does not count). Restore lands
+        bytes it checked once from a file still unchanged after the landing reads
+        (read/landing.py)."""
         ...
 
     def close(self) -> None: ...
