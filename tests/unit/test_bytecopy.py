@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import crc32c as reference
 import pytest
 import torch
 
@@ -109,3 +110,43 @@ def test_without_threads_to_spare_the_caller_copies_everything(
     pairs, arena = _pairs([3 * bytecopy.CHUNK_BYTES + 1])
     bytecopy.copy_plain(pairs)
     assert torch.equal(arena, torch.cat([source for source, _ in pairs]))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_checked_copy_lands_every_byte_and_checksums_all_pieces_in_order(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(bytecopy, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(bytecopy, "CHECKED_BYTES", 1000)  # not a divisor of a chunk
+    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bytecopy, "_threads", lambda: threads)
+    sizes = [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 50_000]
+    pairs, _arena = _pairs(sizes)
+    # every other piece lands; the rest (None) are only checksummed, as a header is
+    pieces = [
+        (target.data_ptr() if i % 2 else None, memoryview(source.numpy()))
+        for i, (source, target) in enumerate(pairs)
+    ]
+    digest = bytecopy.copy_checked(pieces)
+    everything = b"".join(bytes(source.numpy()) for source, _ in pairs)
+    assert digest == reference.crc32c(everything)
+    for i, (source, target) in enumerate(pairs):
+        assert torch.equal(target, source if i % 2 else torch.zeros_like(source))
+    assert bytecopy.copy_checked([]) == 0
+
+
+def test_a_checked_copy_checksums_what_landed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest is taken over the destination after each step's copy: a copy that
+    landed other bytes than its source's gives another digest."""
+    memmove = bytecopy.ctypes.memmove
+
+    def scribbling(dst: int, src: int, nbytes: int) -> None:
+        memmove(dst, src, nbytes)
+        memmove(dst, b"\xff", 1)
+
+    monkeypatch.setattr(bytecopy.ctypes, "memmove", scribbling)
+    pairs, _ = _pairs([10_000])
+    ((source, target),) = pairs
+    digest = bytecopy.copy_checked([(target.data_ptr(), memoryview(source.numpy()))])
+    assert digest == reference.crc32c(bytes(target.numpy()))
+    assert digest != reference.crc32c(bytes(source.numpy()))

@@ -43,6 +43,15 @@ of extra memory for the direct tensors:
    the bounce buffer and are checked again there (the check overlaps the copy to the
    device).
 
+The service's memory tier (a ``MappedFile``) is the one exception to "check, then
+land": its bytes are already in memory, so a separate check pass would read all of
+them once more than the copy does (a third of a memory restore's time). Its check pass
+only copies the non-direct tensors out; the landing copies the direct tensors and
+checks the whole file as it lands (``bytecopy.copy_checked``). A mismatch there (a held
+copy damaged after it was written) fails the landing as above, and ``restore`` then
+reads storage, which lands over every tensor: the targets end as storage's checkpoint,
+or, if storage fails its checks too, with the mix named in the error.
+
 Blocking; the caller's thread (it starts one helper thread per file while streaming).
 """
 
@@ -287,7 +296,8 @@ def _plan(  # noqa: PLR0917 - the one caller passes what it already has
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
-                landing = Landing(file, start, ordered, mine, reader.files[file].crc32c)
+                listed = reader.files[file]
+                landing = Landing(file, start, ordered, mine, listed.crc32c, listed.size)
                 landing.pinned, landing.source = opened.pop(file)
                 landings.append(landing)
                 preloaded[file] = {**check_pass(reader, landing), **mine}

@@ -3,11 +3,12 @@ tensors (inplace.py says why the order is all or nothing): the check pass stream
 file through two reused chunk buffers, checks its CRC32C and copies its other tensors
 out; the landing pass reads the direct tensors' bytes into the live tensors, once, and
 then requires the pinned file unchanged since it was opened (no second CRC32C). A
-``storage.MappedFile`` (in memory, unwritten while open: the service's memory tier) is
-checked where it lies and landed with one copy. Direct tensors on a device land through
-a ``bounce.Bounce`` (read a block at a time into pinned staging, checked again there,
-copied). Blocking; the restoring thread (plus one helper thread per file while
-streaming)."""
+``storage.MappedFile`` (in memory already: the service's memory tier) is instead checked
+as it lands, in one pass over memory (``bytecopy.copy_checked``): a mismatch is found
+only once the direct tensors hold the bad bytes, so it raises CorruptCheckpointError
+from the landing, and restore reads storage instead (restore.py). Direct tensors on a
+device land through a ``bounce.Bounce`` (read a block at a time into pinned staging,
+checked again there, copied). Blocking; the restoring thread (plus helper threads)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from checkpointd import tunables
@@ -35,13 +35,15 @@ _ALIGN = 64
 
 @dataclass
 class Landing:
-    """One tensor file some of whose tensors land straight in live tensors."""
+    """One tensor file some of whose tensors land straight in live tensors (``entries`` in
+    file order; ``crc32c`` and ``size`` the manifest's)."""
 
     file: str
     start: int
     entries: list[TensorEntry]
     direct: dict[str, torch.Tensor]
     crc32c: int
+    size: int
     header: bytes = b""
     kept: list[memoryview] = field(default_factory=list)
     """Byte views of the tensors that do not land directly, in file order."""
@@ -71,8 +73,9 @@ def _reader(reader: StepReader, landing: Landing) -> Callable[[memoryview, int],
 def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
     copying its header and its non-direct tensors out on the way; those tensors by name.
-    Where the store could not pin the file it was read whole (kept until landing)."""
-    size = reader.files[landing.file].size
+    Where the store could not pin the file it was read whole (kept until landing). A
+    ``MappedFile``'s are copied out unchecked: ``land_file`` checks the whole file."""
+    size = landing.size
     others = [e for e in landing.entries if e.name not in landing.direct]
     pinned, source = landing.pinned, landing.source
     if pinned is None:
@@ -100,7 +103,7 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
     spans: list[tuple[memoryview, int | None]]
-    if isinstance(pinned, MappedFile):  # in memory already: checked where it lies
+    if isinstance(pinned, MappedFile):  # in memory already: checked as it lands
         spans = [(piece, None) for piece in pinned.views(0, size)]
     else:
         buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
@@ -127,7 +130,11 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
                     out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
             j += 1
 
-    reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+    if isinstance(pinned, MappedFile):
+        for i, (view, _) in enumerate(spans):
+            extract(i, view)
+    else:
+        reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
     landing.header = bytes(header)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
@@ -155,22 +162,36 @@ def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> No
     assert pinned is not None
     if any(needs_bounce(live) for live in landing.direct.values()):
         with Bounce() as own:  # allocates nothing unless used
-            _check_landed(where, landing, _bounce(landing, pinned, staging or own))
+            digest = _bounce(landing, pinned, staging or own)
+            _check_landed(where, landing, digest, "the file changed while it was being restored")
         return
-    if isinstance(pinned, MappedFile):  # checked where it lies; copied on the free cores
-        spans: list[tuple[int, int, int]] = []
-        for e in landing.entries:
-            if (live := landing.direct.get(e.name)) is not None:
-                at = live.data_ptr()
-                for view in pinned.views(landing.start + e.begin, e.end - e.begin):
-                    spans.append((at, np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)))
-                    at += len(view)
-        bytecopy.copy_spans(spans)
+    if isinstance(pinned, MappedFile):
+        digest = bytecopy.copy_checked(_mapped_pieces(landing, pinned))
+        _check_landed(where, landing, digest, "the copy in memory changed after it was written")
         return
     for e in landing.entries:
         if (live := landing.direct.get(e.name)) is not None:
             pinned.read_into(bytes_of(live), landing.start + e.begin)
     require_unchanged(where, landing.file, pinned)
+
+
+def _mapped_pieces(landing: Landing, mapped: MappedFile) -> list[tuple[int | None, memoryview]]:
+    """A mapped file's bytes in order for ``copy_checked`` (a tensor file is its header,
+    then its tensors with no gaps: header.py checks that): the header and the non-direct
+    tensors as the check pass copied them out (what was loaded is what is checked), each
+    direct tensor's bytes from the mapping with its live tensor's address."""
+    pieces: list[tuple[int | None, memoryview]] = [(None, memoryview(landing.header))]
+    kept = iter(landing.kept)
+    for e in landing.entries:
+        live = landing.direct.get(e.name)
+        if live is None:
+            pieces.append((None, next(kept)))
+            continue
+        address = live.data_ptr()
+        for view in mapped.views(landing.start + e.begin, e.end - e.begin):
+            pieces.append((address, view))
+            address += len(view)
+    return pieces
 
 
 def require_unchanged(where: str, file: str, pinned: PinnedFile) -> None:
@@ -195,11 +216,10 @@ def _bounce(landing: Landing, pinned: PinnedFile, staging: Bounce) -> int:
     return staging.stream(pinned.read_into, items)
 
 
-def _check_landed(where: str, landing: Landing, digest: int) -> None:
+def _check_landed(where: str, landing: Landing, digest: int, why: str) -> None:
     """CorruptCheckpointError unless ``digest``, of the bytes landed, is the file's."""
     if digest != landing.crc32c:
         raise CorruptCheckpointError(
             f"{where}/{landing.file}: CRC32C {digest:08x} of the bytes read into the "
-            f"live tensors does not match the manifest's {landing.crc32c:08x} (the "
-            "file changed while it was being restored)"
+            f"live tensors does not match the manifest's {landing.crc32c:08x} ({why})"
         )

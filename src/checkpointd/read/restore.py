@@ -264,7 +264,10 @@ def restore(
     service holds the step to restore (the newest committed one on storage, or
     ``step``) in memory, committed with the very manifest storage has, it is read
     from there, with every check made on storage (``info.source == "memory"``);
-    otherwise (no service, not held, a mismatch) from storage. A rank of a many-rank
+    otherwise (no service, not held, a mismatch) from storage. A held copy is checked
+    as it lands (one pass over memory): if it turns out damaged, storage is read and
+    lands over it, so the targets end as storage's checkpoint; only if storage's copy
+    fails its checks too do tensors keep a mix (the error's note says so). A rank of a many-rank
     job reads the files its node's service holds of that step (its share, each listed
     by storage's manifest with the same size and CRC32C) from memory and the others
     from storage: ``info.source`` "memory" if every file came from memory,
@@ -277,6 +280,7 @@ def restore(
     restore itself makes no collective call.
     """
     place = place_in(process_group)
+    from_memory: CheckpointError | None = None
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
@@ -287,9 +291,18 @@ def restore(
                 try:
                     info = restore_from(held.store, targets, held.step, strict, place=place)
                     return msgspec.structs.replace(info, source=held.source())
-                except (CorruptCheckpointError, CheckpointNotFoundError):
-                    pass  # a damaged or partial copy: storage decides
-    return restore_from(open_store(str(root), storage_options), targets, step, strict, place=place)
+                except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                    from_memory = exc  # a damaged or partial copy: storage decides
+    try:
+        return restore_from(
+            open_store(str(root), storage_options), targets, step, strict, place=place
+        )
+    except CheckpointError as exc:
+        if from_memory is not None:  # it may have landed some bytes before it failed
+            exc.add_note(
+                f"before storage was read, the service's memory copy failed: {from_memory}"
+            )
+        raise
 
 
 def restore_from(

@@ -9,7 +9,8 @@ Here the bytes are cut into chunks that the calling thread and a few helper thre
 take in turn (``ctypes.memmove``, which releases the GIL): the caller never waits for a
 thread that has not started, only for a chunk a helper is already copying. Used for
 the copies a save makes on the caller's thread (capture's, and overlapped staging's
-unguarded ones); the background copier keeps to one thread (staging.py). Blocking.
+unguarded ones); the background copier keeps to one thread (staging.py), and the
+memory tier's restore copies and checks in one pass (``copy_checked``). Blocking.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ import concurrent.futures
 import contextlib
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
 
-__all__ = ["copy_plain", "copy_spans", "plain"]
+from checkpointd.format.checksum import crc32c, crc32c_combine
+
+__all__ = ["copy_checked", "copy_plain", "copy_spans", "plain"]
+
+_Chunk = TypeVar("_Chunk")
 
 CHUNK_BYTES = 8 * 2**20
 """Bytes one thread copies at a time: the longest the caller waits for a helper."""
@@ -32,6 +39,9 @@ MAX_THREADS = 4
 
 PARALLEL_MIN_BYTES = 4 * CHUNK_BYTES
 """Below this, one thread copies everything: helpers would cost more than they save."""
+
+CHECKED_BYTES = 512 * 2**10
+"""``copy_checked``'s step: copied, then checksummed while the bytes are still in cache."""
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -78,28 +88,66 @@ def copy_spans(spans: Sequence[tuple[int, int, int]]) -> None:
     another; returns once all bytes are copied. The caller keeps both sides alive (and
     mapped) until then. Caller's thread (it copies too)."""
     chunks: list[tuple[int, int, int]] = []
-    total = 0
     for dst, src, nbytes in spans:
         for start in range(0, nbytes, CHUNK_BYTES):
             chunks.append((dst + start, src + start, min(CHUNK_BYTES, nbytes - start)))
-        total += nbytes
-    pending = iter(chunks)
+    _shared(chunks, lambda chunk: ctypes.memmove(*chunk), sum(n for _, _, n in spans))
 
-    def work() -> None:
-        for dst, src, nbytes in pending:  # a shared iterator: each chunk goes once
-            ctypes.memmove(dst, src, nbytes)
+
+def copy_checked(pieces: Sequence[tuple[int | None, memoryview]]) -> int:
+    """The CRC32C of all ``pieces``' bytes in order, each piece ``(destination address,
+    bytes)`` copied to its destination first and checksummed there as it landed; a piece
+    with no destination (None) is only checksummed. One pass over memory instead of a
+    check then a copy. Destinations must not overlap each other or any piece; the caller
+    keeps them alive until it returns. Caller's thread (it copies too)."""
+    chunks: list[tuple[int, int | None, memoryview]] = []
+    for dst, view in pieces:
+        for start in range(0, len(view), CHUNK_BYTES):
+            at = None if dst is None else dst + start
+            chunks.append((len(chunks), at, view[start : start + CHUNK_BYTES]))
+    digests: list[int] = [0] * len(chunks)
+
+    def check(chunk: tuple[int, int | None, memoryview]) -> None:
+        index, dst, view = chunk
+        if dst is None or not view:
+            digests[index] = crc32c(view)
+            return
+        src = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        landed = memoryview((ctypes.c_ubyte * len(view)).from_address(dst)).cast("B")
+        digest = 0
+        for start in range(0, len(view), CHECKED_BYTES):
+            step = min(CHECKED_BYTES, len(view) - start)
+            ctypes.memmove(dst + start, src + start, step)
+            digest = crc32c(landed[start : start + step], digest)
+        digests[index] = digest
+
+    _shared(chunks, check, sum(len(view) for _, view in pieces))
+    digest = 0
+    for (_, _, view), part in zip(chunks, digests, strict=True):
+        digest = crc32c_combine(digest, part, len(view))
+    return digest
+
+
+def _shared(chunks: Sequence[_Chunk], work: Callable[[_Chunk], object], total: int) -> None:
+    """Run ``work`` on every chunk once, taken in turn by the caller and helper threads
+    (the caller alone below PARALLEL_MIN_BYTES); returns once every chunk is done."""
+    pending: Iterator[_Chunk] = iter(chunks)
+
+    def drain() -> None:
+        for chunk in pending:  # a shared iterator: each chunk goes once
+            work(chunk)
 
     helpers = min(_threads(), len(chunks)) - 1
     if helpers <= 0 or total < PARALLEL_MIN_BYTES:
-        work()
+        drain()
         return
     pool = concurrent.futures.ThreadPoolExecutor(helpers, thread_name_prefix="checkpointd-copy")
     started: list[concurrent.futures.Future[None]] = []
     try:
         with contextlib.suppress(RuntimeError):  # no new threads (interpreter exiting)
             for _ in range(helpers):
-                started.append(pool.submit(work))
-        work()
+                started.append(pool.submit(drain))
+        drain()
     finally:
         # helpers that never got a core are not waited for; one copying a chunk is
         pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,105 @@
+"""A restore from the memory tier checks each tensor file as it lands (read/landing.py,
+a ``MappedFile``), without a service: a held copy built by hand from a checkpoint on
+disk, with one byte flipped in a tensor that lands straight in its live tensor or in
+one that is loaded by ``load_state_dict``."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpointd
+from checkpointd.daemon.memtier import MemoryStore
+from checkpointd.daemon.protocol import HeldFile
+from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.header import header_length, parse_safetensors_header
+from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.read.restore import restore_from
+
+
+class _Model(torch.nn.Module):
+    """A contiguous weight (lands in place) and a transposed one (loaded by copying)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.direct = torch.nn.Parameter(torch.randn(64, 256, generator=generator))
+        self.loaded = torch.nn.Parameter(torch.randn(256, 64, generator=generator).t())
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    with checkpointd.CheckpointWriter(str(root)) as writer:
+        writer.save(1, {"model": _Model(seed=0)}).result(30)
+    return root
+
+
+def _tensor_file(root: Path) -> Path:
+    (found,) = (root / step_dirname(1)).glob("model*.safetensors")
+    return found
+
+
+@pytest.fixture
+def held(saved: Path) -> tuple[MemoryStore, mmap.mmap, dict[str, int]]:
+    """Every file of step 1 in one anonymous mapping, as the service holds a copy; where
+    each file starts in it. (The mapping is freed with the store's views of it.)"""
+    folder = saved / step_dirname(1)
+    files = sorted(p for p in folder.iterdir() if p.name != MANIFEST_NAME)
+    mapped = mmap.mmap(-1, sum(p.stat().st_size for p in files))
+    starts: dict[str, int] = {}
+    entries: list[HeldFile] = []
+    at = 0
+    for path in files:
+        data = path.read_bytes()
+        mapped[at : at + len(data)] = data
+        starts[path.name] = at
+        entries.append(HeldFile(path.name, b"", at, len(data)))
+        at += len(data)
+    manifest = (folder / MANIFEST_NAME).read_bytes()
+    store = MemoryStore.over(str(saved), step_dirname(1), manifest, entries, mapped)
+    return store, mapped, starts
+
+
+def _flip(mapped: mmap.mmap, at: int) -> None:
+    mapped[at] ^= 0xFF
+
+
+def _middle_of(root: Path, name: str) -> int:
+    """Offset in the tensor file of the middle byte of tensor ``name``."""
+    data = _tensor_file(root).read_bytes()
+    length = header_length(data[:8], len(data), where="test")
+    entries = parse_safetensors_header(data[8 : 8 + length], len(data) - 8 - length, where="t")
+    (entry,) = [e for e in entries if e.name == name]
+    return 8 + length + (entry.begin + entry.end) // 2
+
+
+def test_an_intact_held_copy_restores_bit_exact(
+    saved: Path, held: tuple[MemoryStore, mmap.mmap, dict[str, int]]
+) -> None:
+    store, _, _ = held
+    target = _Model(seed=1)
+    restore_from(store, {"model": target}, 1, True)
+    expected = _Model(seed=0)
+    assert torch.equal(target.direct, expected.direct)
+    assert torch.equal(target.loaded, expected.loaded)
+    assert not target.loaded.is_contiguous()  # loaded by copying, not landed in place
+
+
+@pytest.mark.parametrize("damaged", ["direct", "loaded"])
+def test_a_damaged_held_copy_fails_as_it_lands_and_the_loaded_state_is_rolled_back(
+    saved: Path, held: tuple[MemoryStore, mmap.mmap, dict[str, int]], damaged: str
+) -> None:
+    store, mapped, starts = held
+    _flip(mapped, starts[_tensor_file(saved).name] + _middle_of(saved, damaged))
+    target = _Model(seed=1)
+    before = target.loaded.detach().clone()
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest") as failed:
+        restore_from(store, {"model": target}, 1, True)
+    assert "may hold a mix" in str(failed.value)
+    assert "['model']" in str(failed.value)
+    # what load_state_dict copied (the damaged tensor too) is put back as it was
+    assert torch.equal(target.loaded, before)
