@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable, Sequence
 
-from awscrt import checksums as _checksums
+from fastcrc import crc32 as _crc32
 
 __all__ = ["BytesLike", "crc32c", "crc32c_combine", "crc32c_each", "crc32c_stream"]
 
@@ -14,7 +14,7 @@ BytesLike = bytes | bytearray | memoryview
 
 def crc32c(data: BytesLike, value: int = 0) -> int:
     """Return the CRC32C of ``data``, continuing from ``value``; releases the GIL on large inputs."""
-    return int(_checksums.crc32c(data, value))
+    return _crc32.iscsi(data, value)
 
 
 _POLY = 0x82F63B78  # CRC32C, reflected
