@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,10 +58,15 @@ def serve(socket: str) -> None:
         root, numel = line.split()
         pid = os.fork()
         if pid == 0:
+            code = 0
             try:
                 _trainer(socket, root, int(numel))
+            except BaseException:  # os._exit skips the interpreter's own report
+                traceback.print_exc()
+                sys.stderr.flush()
+                code = 1
             finally:
-                os._exit(0)
+                os._exit(code)
         os.write(1, f"started {pid}\n".encode())
         os.waitpid(pid, 0)
         os.write(1, f"reaped {pid}\n".encode())
