@@ -97,16 +97,12 @@ def start_service(
     *args: str,
     gate: str | None = None,
     hold: str = "make_dir",
-    shard_index: bool = False,
 ) -> Service:
     """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
-    every save's writes wait until that file exists (service_jobs.held_serve); with
-    ``shard_index``, many-rank saves write shard index files (service_jobs.indexed_serve)."""
+    every save's writes wait until that file exists (service_jobs.held_serve)."""
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
     command = ["-m", "checkpointd", "serve"]
-    if shard_index:
-        command = ["-m", "tests.support.service_jobs", "indexed-serve", "--"]
     if gate is not None:
         command = ["-m", "tests.support.service_jobs", "held-serve", gate, hold, "--"]
     with log.open("ab") as out:
@@ -225,17 +221,14 @@ def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
 
 
 @contextmanager
-def services_per_rank(
-    world: int, gate: str | None = None, *, shard_index: bool = False
-) -> Iterator[list[Service]]:
+def services_per_rank(world: int, gate: str | None = None) -> Iterator[list[Service]]:
     """One real service per rank (a "node" each), each in a socket folder of its own;
-    ``gate``: their writes held until that file exists, ``shard_index``: they write
-    shard index files (``start_service``)."""
+    ``gate``: their writes held until that file exists (``start_service``)."""
     folders = [socket_folder() for _ in range(world)]
     running: list[Service] = []
     try:
         for folder in folders:
-            running.append(start_service(folder, gate=gate, shard_index=shard_index))
+            running.append(start_service(folder, gate=gate))
         yield running
     finally:
         for service in running:

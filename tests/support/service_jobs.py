@@ -9,9 +9,7 @@ with ``staging="overlapped"`` and prints ``staged N`` once save N is staged.
 ``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
 ``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
 first storage call; ``sync_dir``: after its files are written, before the manifest)
-waiting for file GATE. ``python -m tests.support.service_jobs indexed-serve -- SERVE-ARGS``
-runs ``checkpointd serve`` whose many-rank saves write shard index files whatever their
-size (``tunables.SHARD_INDEX_MIN_ENTRIES`` 0, as shard_job's CHECKPOINTD_TEST_SHARD_INDEX).
+waiting for file GATE.
 """
 
 from __future__ import annotations
@@ -96,18 +94,8 @@ def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
     sys.exit(main(["serve", *serve_args]))
 
 
-def indexed_serve(serve_args: list[str]) -> None:
-    from checkpointd import tunables
-    from checkpointd.cli.main import main
-
-    tunables.SHARD_INDEX_MIN_ENTRIES = 0
-    sys.exit(main(["serve", *serve_args]))
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "trainer":
         trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), (sys.argv[5:] or [None])[0])
-    elif sys.argv[1] == "indexed-serve":
-        indexed_serve(sys.argv[3:])
     else:
         held_serve(sys.argv[2], sys.argv[3], sys.argv[5:])

@@ -17,6 +17,7 @@ from checkpointd.daemon.snapshot import describe, rebuild
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import DIRECT_ALIGN
+from checkpointd.ranks.merge import indexed
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot, plan_snapshot
 
@@ -105,6 +106,18 @@ def test_the_trainers_direct_io_threshold_travels_with_the_snapshot(
         assert data_start % DIRECT_ALIGN == 0, name  # the trainer's setting, not the service's
 
 
+def test_the_trainers_shard_index_threshold_travels_with_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 0)  # index files at any size
+    snapshot, arena = _snapshot()
+    monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 4096)  # the service's own
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    assert rebuilt.shard_index_min == 0
+    assert indexed(plan_snapshot(rebuilt, "tok", world_size=2), 2)
+    assert not indexed(plan_snapshot(_snapshot()[0], "tok", world_size=2), 2)  # made at 4096
+
+
 def test_more_shard_blocks_than_a_manifest_can_list_is_a_protocol_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -149,6 +162,7 @@ HOSTILE = {
     "a shard block of 0 bytes": lambda d: msgspec.structs.replace(d, shard_block=0),
     "a negative shard block": lambda d: msgspec.structs.replace(d, shard_block=-8),
     "a negative direct I/O threshold": lambda d: msgspec.structs.replace(d, direct_min=-1),
+    "a negative shard index threshold": lambda d: msgspec.structs.replace(d, shard_index_min=-1),
 }
 
 

@@ -97,9 +97,10 @@ def reader(indexes: dict[int, bytes], *, stored: Manifest | None = None) -> Sour
 
 def test_the_writers_choose_indexes_by_ranks_times_sharded_tensors() -> None:
     limit = tunables.SHARD_INDEX_MIN_ENTRIES
-    assert uses_indexes(8, limit // 8)
-    assert not uses_indexes(8, limit // 8 - 1)
-    assert not uses_indexes(1, 10**9)  # a process saving alone lists its shards inline
+    assert uses_indexes(8, limit // 8, limit)
+    assert not uses_indexes(8, limit // 8 - 1, limit)
+    assert not uses_indexes(1, 10**9, limit)  # a process saving alone lists its shards inline
+    assert uses_indexes(2, 0, 0)
 
 
 def test_a_manifest_with_indexes_is_schema_4_and_checked() -> None:

@@ -162,6 +162,9 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     direct_min: int | None = None
     """The data region size from which a tensor file's data starts aligned for direct
     I/O (the trainer's ``tunables.DIRECT_MIN_BYTES``); None: the service's."""
+    shard_index_min: int | None = None
+    """The shard entries from which a many-rank save keeps them in index files (the
+    trainer's ``tunables.SHARD_INDEX_MIN_ENTRIES``); None: the service's."""
 
 
 class Submit(_Msg):

@@ -80,6 +80,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         rank=snapshot.rank,
         shard_block=snapshot.shard_block,
         direct_min=snapshot.direct_min,
+        shard_index_min=snapshot.shard_index_min,
     )
 
 
@@ -129,6 +130,11 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
     direct_min = tunables.DIRECT_MIN_BYTES if desc.direct_min is None else desc.direct_min
     if direct_min < 0:
         raise ProtocolError(f"direct I/O threshold {direct_min} is negative")
+    index_min = (
+        tunables.SHARD_INDEX_MIN_ENTRIES if desc.shard_index_min is None else desc.shard_index_min
+    )
+    if index_min < 0:
+        raise ProtocolError(f"shard index threshold {index_min} is negative")
     try:
         return Snapshot(
             desc.step,
@@ -143,6 +149,7 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
             rank=desc.rank,
             shard_block=block,
             direct_min=direct_min,
+            shard_index_min=index_min,
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None

@@ -30,12 +30,13 @@ class ShardIndex(msgspec.Struct, frozen=True):
     components: dict[str, dict[str, list[ShardEntry]]]
 
 
-def uses_indexes(world_size: int, sharded_tensors: int) -> bool:
+def uses_indexes(world_size: int, sharded_tensors: int, min_entries: int) -> bool:
     """Whether a save of ``world_size`` ranks holding ``sharded_tensors`` sharded tensors
     (the same count on every rank) stores its shard entries in index files: when the
-    manifest would list at least ``tunables.SHARD_INDEX_MIN_ENTRIES`` of them. Every rank
-    decides the same from the same numbers; a process saving alone never does."""
-    return world_size > 1 and world_size * sharded_tensors >= tunables.SHARD_INDEX_MIN_ENTRIES
+    manifest would list at least ``min_entries`` of them (the saving trainer's
+    ``tunables.SHARD_INDEX_MIN_ENTRIES``). Every rank decides the same from the same
+    numbers; a process saving alone never does."""
+    return world_size > 1 and world_size * sharded_tensors >= min_entries
 
 
 def encode_index(index: ShardIndex) -> bytes:

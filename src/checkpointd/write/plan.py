@@ -95,6 +95,9 @@ class Snapshot:
     direct_min: int = field(default_factory=lambda: tunables.DIRECT_MIN_BYTES)
     """A tensor file's data region of this many bytes or more starts DIRECT_ALIGN-aligned
     (``tunables.DIRECT_MIN_BYTES`` at ``save()``, as ``shard_block``)."""
+    shard_index_min: int = field(default_factory=lambda: tunables.SHARD_INDEX_MIN_ENTRIES)
+    """A many-rank save whose manifest would list this many shard entries or more keeps
+    them in index files (``tunables.SHARD_INDEX_MIN_ENTRIES`` at ``save()``)."""
 
 
 def _size(parts: Sequence[BytesLike]) -> int:
@@ -211,6 +214,8 @@ class SavePlan:
     specs: dict[str, SpecEntry] = field(default_factory=dict)
     per_rank: dict[str, str] = field(default_factory=dict)
     """As ``Snapshot.per_rank``: these components are this rank's alone."""
+    shard_index_min: int = field(default_factory=lambda: tunables.SHARD_INDEX_MIN_ENTRIES)
+    """As ``Snapshot.shard_index_min`` (``ranks/merge.indexed``)."""
 
     @classmethod
     def of(
@@ -227,6 +232,7 @@ class SavePlan:
             metadata=snapshot.metadata,
             specs=snapshot.specs,
             per_rank=snapshot.per_rank,
+            shard_index_min=snapshot.shard_index_min,
         )
 
     def mine(self, rank: int) -> list[PlannedFile]:
