@@ -267,8 +267,8 @@ def restore(
     otherwise (no service, not held, a mismatch) from storage. A held copy is checked
     as it lands (one pass over memory): if it turns out damaged, storage is read and
     lands over it, so the targets end as storage's checkpoint; only if storage's copy
-    fails its checks too do tensors keep a mix (the error's note says so). A rank of a many-rank
-    job reads the files its node's service holds of that step (its share, each listed
+    fails its checks too do tensors keep a mix (the error's note says so). A rank of
+    a many-rank job reads the files its node's service holds of that step (its share, each listed
     by storage's manifest with the same size and CRC32C) from memory and the others
     from storage: ``info.source`` "memory" if every file came from memory,
     "memory+storage" if some did, else "storage".
