@@ -127,14 +127,8 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
         )
     block = tunables.SHARD_BLOCK_BYTES if desc.shard_block is None else desc.shard_block
     _check_block(block, components)
-    direct_min = tunables.DIRECT_MIN_BYTES if desc.direct_min is None else desc.direct_min
-    if direct_min < 0:
-        raise ProtocolError(f"direct I/O threshold {direct_min} is negative")
-    index_min = (
-        tunables.SHARD_INDEX_MIN_ENTRIES if desc.shard_index_min is None else desc.shard_index_min
-    )
-    if index_min < 0:
-        raise ProtocolError(f"shard index threshold {index_min} is negative")
+    direct_min = _threshold(desc.direct_min, tunables.DIRECT_MIN_BYTES, "direct I/O")
+    index_min = _threshold(desc.shard_index_min, tunables.SHARD_INDEX_MIN_ENTRIES, "shard index")
     try:
         return Snapshot(
             desc.step,
@@ -153,6 +147,15 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None
+
+
+def _threshold(sent: int | None, own: int, what: str) -> int:
+    """The trainer's tunable ``sent`` with its snapshot, else the service's ``own``;
+    ProtocolError if negative."""
+    value = own if sent is None else sent
+    if value < 0:
+        raise ProtocolError(f"{what} threshold {value} is negative")
+    return value
 
 
 def _check_block(block: int, components: list[CapturedComponent]) -> None:

@@ -296,8 +296,7 @@ def _plan(  # noqa: PLR0917 - the one caller passes what it already has
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
-                listed = reader.files[file]
-                landing = Landing(file, start, ordered, mine, listed.crc32c, listed.size)
+                landing = Landing(file, start, ordered, mine, reader.files[file].crc32c)
                 landing.pinned, landing.source = opened.pop(file)
                 landings.append(landing)
                 preloaded[file] = {**check_pass(reader, landing), **mine}

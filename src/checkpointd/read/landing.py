@@ -36,14 +36,13 @@ _ALIGN = 64
 @dataclass
 class Landing:
     """One tensor file some of whose tensors land straight in live tensors (``entries`` in
-    file order; ``crc32c`` and ``size`` the manifest's)."""
+    file order; ``crc32c`` the manifest's)."""
 
     file: str
     start: int
     entries: list[TensorEntry]
     direct: dict[str, torch.Tensor]
     crc32c: int
-    size: int
     header: bytes = b""
     kept: list[memoryview] = field(default_factory=list)
     """Byte views of the tensors that do not land directly, in file order."""
@@ -75,7 +74,7 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     copying its header and its non-direct tensors out on the way; those tensors by name.
     Where the store could not pin the file it was read whole (kept until landing). A
     ``MappedFile``'s are copied out unchecked: ``land_file`` checks the whole file."""
-    size = landing.size
+    size = reader.files[landing.file].size
     others = [e for e in landing.entries if e.name not in landing.direct]
     pinned, source = landing.pinned, landing.source
     if pinned is None:

@@ -109,7 +109,7 @@ def copy_checked(pieces: Sequence[tuple[int | None, memoryview]]) -> int:
 
     def check(chunk: tuple[int, int | None, memoryview]) -> None:
         index, dst, view = chunk
-        if dst is None or not view:
+        if dst is None:
             digests[index] = crc32c(view)
             return
         src = np.frombuffer(view, dtype=np.uint8).ctypes.data
