@@ -30,7 +30,8 @@ from checkpointd.format.manifest import ComponentEntry, FileEntry, ShardedTensor
 from checkpointd.format.shard_index import ShardIndex, encode_index
 from checkpointd.ranks.group import rank_key
 from checkpointd.ranks.merge import Share, indexed_share, written_shards
-from checkpointd.write.plan import PlannedFile, RankFile, SavePlan, WriteFile, assign_ranks
+from checkpointd.write.items import PlannedFile, RankFile, WriteFile, assign_ranks
+from checkpointd.write.plan import SavePlan
 
 TOKEN = "3f9a1c2e"
 HIDDEN, MLP, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80

@@ -23,17 +23,15 @@ from checkpointd.storage import LocalStore
 from checkpointd.write.capture import StagingBuffer, capture
 from checkpointd.write.commit import commit_plan
 from checkpointd.write.handle import first_leaf
-from checkpointd.write.plan import (
+from checkpointd.write.items import (
     KeepBlob,
     PlannedFile,
     RankFile,
-    SavePlan,
-    Snapshot,
     WriteBlob,
     WriteFile,
     assign_ranks,
-    plan_snapshot,
 )
+from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 
 def _snapshot(step: int = 1) -> Snapshot:

@@ -32,8 +32,9 @@ from checkpointd.format.layout import (
 from checkpointd.format.manifest import FileEntry, decode_manifest
 from checkpointd.ranks.merge import shard_index, written_shards
 from checkpointd.write.capture import CapturedComponent
+from checkpointd.write.items import RankFile, WriteFile
 from checkpointd.write.loop import WriteService
-from checkpointd.write.plan import RankFile, SavePlan, Snapshot, WriteFile, plan_snapshot
+from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 from . import protocol as p
 from .memtier import HeldCheckpoint

@@ -74,7 +74,8 @@ from checkpointd.write.commit import (
     write_files,
 )
 from checkpointd.write.handle import first_leaf
-from checkpointd.write.plan import SavePlan, WriteFile
+from checkpointd.write.items import WriteFile
+from checkpointd.write.plan import SavePlan
 
 __all__ = ["commit_ranked", "component_digests"]
 

@@ -34,7 +34,8 @@ from checkpointd.format.shard_index import ShardIndex, encode_index, uses_indexe
 from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.ranks.group import Group, rank_key
 from checkpointd.write.commit import manifest_of
-from checkpointd.write.plan import RankFile, SavePlan
+from checkpointd.write.items import RankFile
+from checkpointd.write.plan import SavePlan
 
 __all__ = [
     "Share",

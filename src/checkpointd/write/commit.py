@@ -48,14 +48,8 @@ from checkpointd.maintain.cleanup import remove_leftovers, unreferenced_files
 from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
-from checkpointd.write.plan import (
-    KeepBlob,
-    PlannedFile,
-    RankFile,
-    SavePlan,
-    WriteBlob,
-    WriteFile,
-)
+from checkpointd.write.items import KeepBlob, PlannedFile, RankFile, WriteBlob, WriteFile
+from checkpointd.write.plan import SavePlan
 
 __all__ = [
     "clean_up",
