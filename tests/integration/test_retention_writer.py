@@ -278,3 +278,39 @@ def test_crash_mid_retention_leaves_nothing_a_reader_could_mistake(
     assert deleted == ([1, 2] if point == "at-manifest" else [2])
     assert visible(root) == [3]
     assert [f for f in folders(root) if f.isdigit()] == ["000000000003"]
+
+
+# --- keep_last across a restart, however the writer resumes ----------------------
+
+
+@pytest.mark.parametrize("resume", ["restore-then-writer", "writer.restore", "writer-then-restore"])
+def test_keep_last_holds_across_a_restart_whichever_way_the_job_restores(
+    local_root: Root, resume: str
+) -> None:
+    """A restarted job (a new writer instance) prunes its previous run's checkpoints as
+    its own whether it restored before making its writer or through it."""
+    save_all(local_root, [1, 2], keep_last=2)  # the previous run
+    target = {"model": {"w": torch.zeros(64, 8)}, "meta": {"step": -1}}
+    if resume == "restore-then-writer":
+        checkpointd.restore(local_root.url, target)
+    with checkpointd.CheckpointWriter(local_root.url, keep_last=2) as writer:
+        if resume == "writer.restore":
+            writer.restore(target)
+        elif resume == "writer-then-restore":
+            checkpointd.restore(local_root.url, target)
+        assert torch.equal(target["model"]["w"], state(2)["model"]["w"])
+        writer.save(3, state(3)).result(timeout=60)
+        writer.save(4, state(4)).result(timeout=60)
+        assert visible(local_root) == [3, 4]
+
+
+def test_a_writer_that_restores_after_saving_keeps_its_lineage(local_root: Root) -> None:
+    """Only a writer that has committed nothing takes on a restored lineage: a later
+    restore (evaluating an old step) leaves the lineage its manifests record alone."""
+    save_all(local_root, [1])  # another run, no retention
+    with checkpointd.CheckpointWriter(local_root.url, keep_last=1) as writer:
+        writer.save(2, state(2)).result(timeout=60)
+        assert visible(local_root) == [1, 2]  # 1: another writer's, in its grace window
+        checkpointd.load(local_root.url, 1)
+        writer.save(3, state(3)).result(timeout=60)
+        assert visible(local_root) == [1, 3]

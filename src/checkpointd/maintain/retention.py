@@ -72,6 +72,8 @@ class WriterIdentity:
     """When this writer last committed (time.monotonic())."""
     interval: float | None = None
     """Seconds between its last two commits."""
+    root: str = ""
+    """The root it writes ("": none known), whose restores ``follow_resume`` picks up."""
 
     def __post_init__(self) -> None:
         self.lineage = self.lineage or self.id
@@ -80,10 +82,20 @@ class WriterIdentity:
     def for_root(cls, url: str) -> WriterIdentity:
         """A new identity for a writer of root ``url``: continuing the lineage of the
         checkpoint this process restored from it, if any (lineage.py)."""
-        resumed = resumed_from(url)
-        if resumed is None:
-            return cls()
-        return cls(lineage=resumed.lineage, inherited=resumed.step)
+        identity = cls(root=url)
+        identity.follow_resume()
+        return identity
+
+    def follow_resume(self) -> None:
+        """Before this writer's first commit: continue the lineage of the checkpoint this
+        process restored from its root last, also when the restore came after the writer
+        was made (``writer.restore``, accelerate's ``load_state(accelerator, writer)``).
+        After its first commit the lineage its manifests record stays. Writer's loop."""
+        if self.last_commit is not None or not self.root:
+            return
+        resumed = resumed_from(self.root)
+        if resumed is not None:
+            self.lineage, self.inherited = resumed.lineage, resumed.step
 
     def owns(self, step: int, manifest: Manifest, newest: Mapping[str, int]) -> bool:
         """True if checkpoint ``step`` is this writer's to prune without a grace window:

@@ -158,6 +158,7 @@ class WriteService:
             try:
                 if handle.staging is not None:  # overlapped: the copy may still run
                     await self._staged(handle.staging, snapshot)
+                self.identity.follow_resume()  # a restore since the writer was made
                 info = await self._commit(snapshot, limiter)
             finally:
                 self.release_buffer(snapshot.buffer)  # the next save may capture now
