@@ -10,6 +10,7 @@ run stopped, mid-epoch included, as if it had never stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from checkpointd.read.restore import list_checkpoints, restore
 from checkpointd.state.progress import TrainingProgress
 from checkpointd.state.rng import RNGState
+from checkpointd.storage import resolve_root
 from checkpointd.write.writer import CheckpointWriter, SaveHandle
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -87,6 +89,7 @@ def run_demo(config: DemoConfig, out: Callable[[str], None] = print) -> Training
     Saves every ``save_every`` steps and at the end of the run, waits for
     durability at every epoch boundary. Call from the main thread.
     """
+    config = dataclasses.replace(config, root=resolve_root(config.root))  # this folder's
     torch.manual_seed(config.seed)
     model = _model(config.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

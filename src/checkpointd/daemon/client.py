@@ -47,7 +47,9 @@ _FD_CARRIERS = (p.Segment, p.Held)
 
 def error_from(name: str, message: str) -> CheckpointError:
     """The checkpointd error the service reported by class name (ServiceError if the
-    name is not one of checkpointd's errors: nothing else is ever looked up)."""
+    name is not one of checkpointd's errors or ProtocolError: nothing else is looked up)."""
+    if name == "ProtocolError":  # the service refused a request and ended the connection
+        return p.ProtocolError(message)
     cls = getattr(errors, name, None) if name in errors.__all__ else None
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
         cls = ServiceError

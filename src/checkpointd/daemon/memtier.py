@@ -26,9 +26,9 @@ from typing import Any, NoReturn
 import msgspec
 
 from checkpointd.errors import StorageError, StorageNotFoundError
-from checkpointd.storage import FileSink, Store
+from checkpointd.storage import FileSink, Store, fixed_root, resolve_root
 
-from .protocol import HeldFile
+from .protocol import HeldFile, ProtocolError
 from .shm import MappedSegment
 
 __all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "ReadOnlyStore", "root_key"]
@@ -36,14 +36,19 @@ __all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "ReadOnlyStore", "root
 
 def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
     """One name per checkpoint root, whichever way a client spells it: a local path
-    resolved, a URL without its trailing slash, with its storage options."""
-    protocol, sep, rest = root.partition("://")
-    if not sep:
-        name = os.path.realpath(root)
-    elif protocol == "file":
-        name = os.path.realpath(rest)
-    else:
-        name = root.rstrip("/")
+    with symlinks resolved, a URL without its trailing slash, with its storage options.
+    ProtocolError for a root that names a different place in each process (a relative
+    path, ``~``): a client resolves its roots before it sends them (resolve_root)."""
+    if not fixed_root(root):
+        raise ProtocolError(
+            f"checkpoint root {root!r} is not absolute: it would name a folder under the "
+            "service's working folder, not the client's (resolve it where it was given)"
+        )
+    name = resolve_root(root)
+    if name.startswith("file://"):
+        name = os.path.realpath(name.removeprefix("file://"))
+    elif "://" not in name:
+        name = os.path.realpath(name)
     options = msgspec.json.encode(storage_options or {}, order="sorted").decode()
     return f"{name} {options}"
 

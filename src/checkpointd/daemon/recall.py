@@ -28,7 +28,7 @@ from typing import Any
 from checkpointd.errors import CheckpointError, ServiceError, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import Manifest, decode_manifest
-from checkpointd.storage import Store, open_store
+from checkpointd.storage import Store, open_store, resolve_root
 from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
@@ -74,7 +74,9 @@ def held_copy(
     """The service's in-memory copy of the step to restore (the newest committed one on
     storage, or ``step``), or None where storage must be read. ``rank``: this process's
     in the group that restores (its own share is asked for first). The service lends
-    the copy until the block ends; then it is unmapped and storage closed."""
+    the copy until the block ends; then it is unmapped and storage closed. ``root`` is
+    resolved here (the service refuses a relative one)."""
+    root = resolve_root(root)
     store = open_store(root, storage_options)
     try:
         found = newest_committed(store) if step is None else step

@@ -95,7 +95,9 @@ class Saves:
         return self._ids
 
     async def open_writer(self, conn: Conn, message: p.OpenWriter) -> Writer:
-        """Start a write service for ``message``'s root and options, ``conn``'s."""
+        """Start a write service for ``message``'s root and options, ``conn``'s; ProtocolError
+        for a relative root (it would be this process's working folder's, not the client's)."""
+        key = root_key(message.root, message.storage_options)
         if message.newer_steps not in ("error", "keep", "discard"):
             raise errors.InvalidArgumentError(f"newer_steps {message.newer_steps!r}")
         if message.best_mode not in ("min", "max"):
@@ -135,7 +137,6 @@ class Saves:
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)
-        key = root_key(message.root, message.storage_options)
         writer = Writer(self._next(), key, service, conn)
         self.writers[writer.ident] = writer
         return writer

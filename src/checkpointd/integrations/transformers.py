@@ -71,6 +71,7 @@ from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.restore import load, restore
 from checkpointd.state.rng import RNGState
+from checkpointd.storage import resolve_root
 from checkpointd.write.options import WriterKeywords, WriterOptions
 from checkpointd.write.writer import CheckpointWriter
 
@@ -134,7 +135,9 @@ class CheckpointdMixin(_Base):
         self.checkpointd_options = options
         """The writer's options, checked here (InvalidArgumentError)."""
         root = checkpointd_root or os.path.join(self.args.output_dir or ".", "checkpointd")
-        self.checkpointd_root = os.fspath(root)
+        self.checkpointd_root = resolve_root(root)
+        """The root, resolved now: a relative one is under this process's working folder
+        (also through the checkpoint service, and after a later chdir)."""
         self._checkpointd_writer: CheckpointWriter | None = None
         self._checkpointd_resume: _Resume | None = None
 
@@ -244,9 +247,9 @@ class CheckpointdMixin(_Base):
         and check that it fits this run; the rest is restored once the optimizer exists."""
         root, step = self.checkpointd_root, None
         if isinstance(which, tuple):
-            root, step = os.fspath(which[0]), int(which[1])
+            root, step = resolve_root(which[0]), int(which[1])
         elif isinstance(which, str | os.PathLike):
-            root = os.fspath(which)
+            root = resolve_root(which)
         elif not isinstance(which, bool):
             step = int(which)
         checkpoint = load(

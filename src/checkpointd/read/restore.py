@@ -33,7 +33,7 @@ from checkpointd.read.apply import Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.reader import StepReader
 from checkpointd.state.tree import map_tree
-from checkpointd.storage import Store, open_store
+from checkpointd.storage import Store, open_store, resolve_root
 
 __all__ = [
     "Checkpoint",
@@ -280,12 +280,13 @@ def restore(
     restore itself makes no collective call.
     """
     place = place_in(process_group)
+    root = resolve_root(str(root))  # the service's working folder is not this process's
     from_memory: CheckpointError | None = None
     if service is not None:
         from checkpointd.daemon.recall import held_copy
 
         with held_copy(
-            str(root), step, storage_options=storage_options, service=service, rank=place[0]
+            root, step, storage_options=storage_options, service=service, rank=place[0]
         ) as held:
             if held is not None:
                 try:
@@ -294,9 +295,7 @@ def restore(
                 except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                     from_memory = exc  # a damaged or partial copy: storage decides
     try:
-        return restore_from(
-            open_store(str(root), storage_options), targets, step, strict, place=place
-        )
+        return restore_from(open_store(root, storage_options), targets, step, strict, place=place)
     except CheckpointError as exc:
         if from_memory is not None:  # it may have landed some bytes before it failed
             exc.add_note(

@@ -9,11 +9,16 @@ installed packages declare under the entry-point group ``checkpointd.stores``
 FsspecStore for any protocol fsspec knows. A backend is one module: a Store
 subclass (storage/base.py) and a registration. Backend modules load lazily,
 so importing this package imports neither fsspec nor boto, gcsfs or adlfs.
+
+``resolve_root(root)`` is what a root names from this process (a local path made
+absolute): a root is resolved where the user gave it, before it is kept or sent to
+another process (the checkpoint service has a working folder of its own).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
@@ -51,8 +56,10 @@ __all__ = [
     "Store",
     "StoreFactory",
     "check_relpath",
+    "fixed_root",
     "open_store",
     "register_store",
+    "resolve_root",
     "translate_errors",
 ]
 
@@ -128,6 +135,35 @@ def _factory(protocol: str) -> StoreFactory:
         with _lock:
             return _registry.setdefault(protocol, loaded)
     return _fsspec
+
+
+def _local_part(root: str) -> str | None:
+    """The local path a root names (a plain path, or a ``file://`` URL's), None for a URL."""
+    protocol, sep, rest = root.partition("://")
+    if not sep:
+        return root
+    return rest if protocol == "file" else None
+
+
+def resolve_root(root: str | os.PathLike[str]) -> str:
+    """What ``root`` names from this process, spelled so that it names the same from any
+    other: a local path (or ``file://`` URL) with ``~`` expanded and made absolute against
+    this process's working folder, symlinks kept (as LocalStore opens it); another URL
+    without trailing slashes. The same root resolved twice is unchanged. Any thread."""
+    text = os.fspath(root)
+    local = _local_part(text)
+    if local is None:
+        protocol, _, rest = text.partition("://")
+        return f"{protocol}://{rest.rstrip('/') or rest}"
+    path = os.path.abspath(os.path.expanduser(local))
+    return f"file://{path}" if text.startswith("file://") else path
+
+
+def fixed_root(root: str) -> bool:
+    """Whether ``root`` names the same place from every process: a URL, or an absolute
+    local path (not relative, not ``~``). A process that serves others refuses the rest."""
+    local = _local_part(root)
+    return local is None or os.path.isabs(local)
 
 
 def open_store(root: str, storage_options: Mapping[str, Any] | None = None) -> Store:

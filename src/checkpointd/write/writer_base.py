@@ -31,6 +31,7 @@ from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
+from checkpointd.storage import resolve_root
 from checkpointd.write import lifecycle, opening
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
@@ -46,7 +47,9 @@ __all__ = ["WriterBase"]
 class WriterBase:
     """What both front ends share: options, validation, pending handles, error surfacing.
 
-    ``root`` is a local path or fsspec URL. The keywords are the writer's options,
+    ``root`` is a local path or fsspec URL, resolved once here (``storage.resolve_root``:
+    a relative path names a folder under this process's working folder, also through
+    the service, whose working folder is its own). The keywords are the writer's options,
     each described in ``WriterOptions`` (write/options.py): every one is checked when
     the writer is made (InvalidArgumentError) and kept in ``options``.
 
@@ -97,7 +100,7 @@ class WriterBase:
             chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
             join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
         )
-        self.root = str(root)
+        self.root = resolve_root(str(root))  # this process's folder, not the service's
         self._stager = Stager() if self.options.staging == "overlapped" else None
         self._store = opening.open_root(self.root, self.options)
         try:

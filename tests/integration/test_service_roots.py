@@ -1,0 +1,172 @@
+"""A relative root means the trainer's folder, also through the checkpoint service.
+
+The service runs in a working folder of its own (``checkpointd serve`` started
+elsewhere, or ``service="auto"`` started by another job): a trainer resolves its root
+before anything is sent, and the service refuses a relative one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import checkpointd
+from checkpointd.daemon import protocol as p
+from checkpointd.daemon.client import Connection, status
+from tests.support.service import child_env, socket_folder, wait_answers
+from tests.support.service_jobs import expected_state
+
+
+@pytest.fixture
+def served_elsewhere(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """``checkpointd serve`` started in its own folder ``tmp_path/x``: its socket, folder."""
+    folder = socket_folder()
+    there = tmp_path / "x"
+    there.mkdir()
+    socket = os.path.join(folder, "sock")
+    with (Path(folder) / "serve.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
+            env=child_env(),
+            cwd=there,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+    try:
+        wait_answers(socket, proc=proc)
+        yield socket, there
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print((Path(folder) / "serve.log").read_text(errors="replace"))  # shown on failure
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def auto_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """CHECKPOINTD_SOCKET in a fresh folder; whatever service ends up there is stopped."""
+    folder = socket_folder()
+    socket = os.path.join(folder, "sock")
+    monkeypatch.setenv("CHECKPOINTD_SOCKET", socket)
+    monkeypatch.setenv("CHECKPOINTD_IDLE_EXIT", "60")
+    try:
+        yield socket
+    finally:
+        with contextlib.suppress(Exception):
+            os.kill(status(socket).pid, signal.SIGTERM)
+        time.sleep(0.2)
+        log = Path(folder, "service.log")
+        if log.exists():
+            print(log.read_text())  # shown when the test fails
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _job(cwd: Path, service: str, root: str, *args: object) -> dict[str, object]:
+    """tests.support.root_job run in ``cwd``; its JSON line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.root_job", service, root, *map(str, args)],
+        env=child_env(),
+        cwd=cwd,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def _here(tmp_path: Path, name: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    return folder
+
+
+def test_a_relative_root_through_a_socket_is_the_trainers_folder(
+    served_elsewhere: tuple[str, Path], tmp_path: Path
+) -> None:
+    socket, there = served_elsewhere
+    here = _here(tmp_path, "y")
+    assert _job(here, socket, "ckpt", "save", 1, 5) == {"listed": [5]}
+    assert (here / "ckpt" / f"{5:012d}" / "manifest.json").is_file()
+    assert not (there / "ckpt").exists()
+    restored = _job(here, socket, "ckpt", "restore", 1)
+    assert restored == {"step": 5, "source": "memory", "own": True, "listed": [5]}
+
+
+def test_two_jobs_with_one_relative_root_keep_apart_through_auto(
+    auto_socket: str, tmp_path: Path
+) -> None:
+    first, second = _here(tmp_path, "a"), _here(tmp_path, "b")
+    # The first job starts the service, in its own folder; the second uses that service.
+    assert _job(first, "auto", "ckpt", "save", 1, 3) == {"listed": [3]}
+    assert _job(second, "auto", "ckpt", "save", 2, 3) == {"listed": [3]}
+    for folder, seed in ((first, 1), (second, 2)):
+        assert (folder / "ckpt" / f"{3:012d}" / "manifest.json").is_file()
+        restored = _job(folder, "auto", "ckpt", "restore", seed)
+        assert restored == {"step": 3, "source": "memory", "own": True, "listed": [3]}
+
+
+def test_the_service_refuses_a_relative_root_and_keeps_serving(
+    served_elsewhere: tuple[str, Path], tmp_path: Path
+) -> None:
+    socket, there = served_elsewhere
+    for kind, fields in (
+        (p.OpenWriter, {}),
+        (p.Lookup, {"storage_options": None, "step": 1}),
+        (p.OpenWriter, {"root": "~/ckpt"}),
+        (p.OpenWriter, {"root": "file://ckpt"}),
+    ):
+        conn = Connection(socket)
+        try:
+            with pytest.raises(p.ProtocolError, match="is not absolute"):
+                conn.request(kind, **{"root": "ckpt", **fields})
+        finally:
+            conn.close()
+    assert not (there / "ckpt").exists()
+    root = str(tmp_path / "r")
+    with checkpointd.CheckpointWriter(root, service=socket) as writer:
+        writer.save(1, {"model": expected_state(1)}).result(60)
+    assert [c.step for c in checkpointd.list_checkpoints(root)] == [1]
+    assert status(socket).committed == 1
+
+
+def test_the_demo_through_a_service_resumes_in_its_own_folder(
+    served_elsewhere: tuple[str, Path], tmp_path: Path
+) -> None:
+    socket, there = served_elsewhere
+    here = _here(tmp_path, "y")
+    command = [sys.executable, "-m", "checkpointd", "demo", "ckpt", "--service", socket]
+    command += ["--steps", "4", "--save-every", "2", "--width", "16"]
+    outs = []
+    for _ in range(2):
+        done = subprocess.run(
+            command,
+            env=child_env(),
+            cwd=here,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert done.returncode == 0, done.stderr
+        outs.append(done.stdout)
+    assert "starting fresh" in outs[0]
+    assert f"resumed from step 4 at {here / 'ckpt' / f'{4:012d}'} from memory" in outs[1]
+    assert not (there / "ckpt").exists()
