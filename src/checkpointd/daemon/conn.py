@@ -2,7 +2,9 @@
 
 ``owned``: segments allocated and not yet submitted (freed when the connection
 ends: a trainer killed while copying); ``borrowed``: held segments lent to it for
-a restore (given back when it ends). On the service's event loop. No torch here.
+a restore (given back when it ends); ``tasks``: its requests that wait for memory,
+so that its later frames (a ``Free``) are still read meanwhile. On the service's
+event loop. No torch here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
-from anyio.abc import SocketStream
+from anyio.abc import SocketStream, TaskGroup
 
 from . import protocol as p
 from .shm import MappedSegment
@@ -25,6 +27,8 @@ class Conn:
     open: bool = True
     owned: dict[int, MappedSegment] = field(default_factory=dict)
     borrowed: list[MappedSegment] = field(default_factory=list)
+    tasks: TaskGroup | None = None
+    """Its requests that may wait (``Alloc``), cancelled when the connection ends."""
 
     async def send(self, message: p.Message, fds: list[int] | None = None) -> None:
         """Send one frame (and ``fds``); a client gone is marked closed, never raised."""

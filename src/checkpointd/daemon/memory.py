@@ -111,9 +111,9 @@ class SharedMemory:
         self._spares.pop(0).close()
         return True
 
-    async def allocate(self, nbytes: int) -> MappedSegment:
-        """A new segment of ``nbytes``: evicts held checkpoints, then waits, while it would
-        pass the limit; ServiceMemoryError if it can never fit."""
+    def check(self, nbytes: int) -> None:
+        """ProtocolError for a negative size; ServiceMemoryError if ``nbytes`` can never
+        fit (past the limit, or past this machine's memory)."""
         limit = self.limit
         if nbytes < 0:
             raise ProtocolError(f"a segment of {nbytes} bytes was asked for")
@@ -128,6 +128,14 @@ class SharedMemory:
                 f"this save needs {nbytes} bytes of shared memory; this machine has "
                 f"{physical}: it can never fit"
             )
+
+    async def allocate(self, nbytes: int) -> MappedSegment:
+        """A new segment of ``nbytes``: evicts held checkpoints, then waits, while it would
+        pass the limit; ``check``'s errors first. The wait ends only when memory frees
+        (a save resolves, a client frees or gives back): the caller must not stop a
+        freeing request of the same client from being served meanwhile."""
+        self.check(nbytes)
+        limit = self.limit
         fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
         if fitting:
             spare = min(fitting, key=lambda s: s.capacity)

@@ -9,7 +9,9 @@ Who owns what: a segment is the connection's from ``Alloc`` until ``Submit``
 (or ``Free``), then the save's until it resolves, then the memory tier's (if it
 committed and the tier keeps it) until evicted; a held segment lent to a
 restoring client stays until that client's connection ends. ``memory_limit``
-bounds the sum.
+bounds the sum. An ``Alloc`` that waits for memory runs in a task of its
+connection's, so the frames the client sends after it (a ``Free`` that may be
+what it waits for) are still served; the connection's end cancels it.
 """
 
 from __future__ import annotations
@@ -134,7 +136,9 @@ class Server:
             return
         self.clients += 1
         try:
-            await self._serve(conn)
+            async with anyio.create_task_group() as conn.tasks:
+                await self._serve(conn)
+                conn.tasks.cancel_scope.cancel()  # its allocations still waiting: gone too
         finally:
             conn.open = False
             for segment in list(conn.owned.values()):
@@ -181,10 +185,10 @@ class Server:
             case p.OpenWriter():
                 writer = await saves.open_writer(conn, message)
                 await conn.send(p.WriterOpened(message.id, writer.ident))
-            case p.Alloc(id=ident, nbytes=nbytes):
-                segment = await self.memory.allocate(nbytes)
-                conn.owned[segment.ident] = segment
-                await conn.send(p.Segment(ident, segment.ident, nbytes), [segment.fd])
+            case p.Alloc(nbytes=nbytes):
+                self.memory.check(nbytes)  # one that can never fit is refused in order
+                assert conn.tasks is not None
+                conn.tasks.start_soon(self._allocate, conn, message)
             case p.Free(id=ident, segment=number):
                 if (freed := conn.owned.pop(number, None)) is not None:
                     self.memory.release(freed)
@@ -197,6 +201,24 @@ class Server:
                 await conn.send(self.status(ident))
             case _:
                 raise p.ProtocolError(f"a {type(message).__name__} is not a request")
+
+    async def _allocate(self, conn: Conn, message: p.Alloc) -> None:
+        """Hand ``conn`` a segment of ``message.nbytes`` once memory allows (or its
+        error). A task of the connection's own: while it waits for memory, the
+        connection's later frames are still served, among them the ``Free`` of a
+        segment asked for ahead that this very allocation may be waiting for."""
+        try:
+            segment = await self.memory.allocate(message.nbytes)
+        except CheckpointError as exc:
+            await conn.send(p.Error(message.id, type(exc).__name__, str(exc)))
+            return
+        except Exception as exc:  # the OS refused a segment: this request only
+            _log.exception("a segment of %d bytes failed", message.nbytes)
+            why = f"the service failed this request ({type(exc).__name__}: {exc})"
+            await conn.send(p.Error(message.id, "ServiceError", why))
+            return
+        conn.owned[segment.ident] = segment  # before any await: released if conn ends
+        await conn.send(p.Segment(message.id, segment.ident, message.nbytes), [segment.fd])
 
     async def _lookup(self, conn: Conn, message: p.Lookup) -> None:
         """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
