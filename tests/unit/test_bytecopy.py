@@ -150,3 +150,31 @@ def test_a_checked_copy_checksums_what_landed(monkeypatch: pytest.MonkeyPatch) -
     digest = bytecopy.copy_checked([(target.data_ptr(), memoryview(source.numpy()))])
     assert digest == reference.crc32c(bytes(target.numpy()))
     assert digest != reference.crc32c(bytes(source.numpy()))
+
+
+def test_checked_copies_of_groups_give_each_group_its_own_digest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bytecopy, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bytecopy, "_threads", lambda: 3)
+    pairs, _ = _pairs([10, 4097, 0, 9000, 3])
+    (a, ta), (b, tb), (c, tc), (d, td), (e, te) = pairs
+    groups = [
+        [(None, memoryview(a.numpy())), (tb.data_ptr(), memoryview(b.numpy()))],
+        [],
+        [(tc.data_ptr(), memoryview(c.numpy())), (td.data_ptr(), memoryview(d.numpy()))],
+        [(None, memoryview(e.numpy()))],
+    ]
+    digests = bytecopy.copy_checked_each(groups)
+    expected = [
+        reference.crc32c(bytes(a.numpy()) + bytes(b.numpy())),
+        0,
+        reference.crc32c(bytes(c.numpy()) + bytes(d.numpy())),
+        reference.crc32c(bytes(e.numpy())),
+    ]
+    assert digests == expected
+    assert torch.equal(tb, b)
+    assert torch.equal(td, d)
+    assert not ta.any()  # only checksummed
+    assert not te.any()

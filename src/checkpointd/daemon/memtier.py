@@ -215,9 +215,10 @@ class MemoryStore(ReadOnlyStore):
         _HeldFile(f"{self.url}/{path}", head, body).read_into(buffer, offset)
 
     def open_pinned(self, path: str) -> _HeldFile:
-        """The held file, in memory: nothing writes a held segment while a client has it
-        (the service lends it until the client's connection ends), so restore checks its
-        bytes where they lie and lands them in one copy (``storage.MappedFile``)."""
+        """The held file, in memory (``storage.MappedFile``): restore copies its bytes
+        out once and checks them where they landed (the service lends the segment until
+        the client's connection ends and never reuses it, but any process that can map
+        it could still write into it, so what is read twice is never trusted twice)."""
         head, body = self._parts(path)
         return _HeldFile(f"{self.url}/{path}", head, body)
 
@@ -262,7 +263,8 @@ class _HeldFile:
             at += len(view)
 
     def unchanged(self) -> bool:
-        """Always: nothing writes a held segment while a client has it."""
+        """Always True: a mapping keeps no record of writes into it, so readers never
+        rely on it for a held file (they check the bytes that landed instead)."""
         return True
 
     def close(self) -> None:

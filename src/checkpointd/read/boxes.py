@@ -28,6 +28,12 @@ The order is inplace.py's, per block instead of per file (shards carry one CRC32
    parts is read into a staging block of the bounce buffer (bounce.py), checked there
    and copied to the device.
 
+A shard file of the memory tier (a ``storage.MappedFile``) is checked as it lands, as in
+landing.py: not in step 1; in step 3 each block is copied into the local shard and its
+CRC32C taken of the landed bytes (``bytecopy.copy_checked_each``), so what lands is what
+was checked even if the segment is written into meanwhile (``unchanged`` cannot tell).
+A mismatch fails the landing, and restore then reads storage over it (restore.py).
+
 Blocking; the thread reading the component (plus one helper thread while streaming).
 """
 
@@ -48,7 +54,8 @@ from checkpointd.read.reader import StepReader
 from checkpointd.read.targets import Taken
 from checkpointd.state.shards import Box, intersect, local_box
 from checkpointd.state.tree import alias_key, walk
-from checkpointd.storage.base import PinnedFile
+from checkpointd.storage.base import MappedFile, PinnedFile
+from checkpointd.write import bytecopy
 
 __all__ = ["Boxes"]
 
@@ -216,12 +223,13 @@ class Boxes:
         per file); elsewhere its part is read into fresh memory, checked and kept.
         CorruptCheckpointError if a block differs; nothing live changes."""
         for file, pieces in self._by_file().items():
-            if self._pin(file) is None:
+            pinned = self._pin(file)
+            if pinned is None:
                 for item, piece in pieces:
                     piece.kept = self.reader.shard_part(piece.shard, item.dtype, piece.part)
                 continue
-            if not self.reader.verify:
-                continue
+            if not self.reader.verify or isinstance(pinned, MappedFile):
+                continue  # a mapped file's blocks are checked as they land
             blocks = [
                 (piece, index, piece.shard.begin + begin, end - begin)
                 for _, piece in pieces
@@ -280,7 +288,11 @@ class Boxes:
         """``land`` for the pieces of one shard file: kept ones copied, strided ones read
         fresh (checked) and copied, each contiguous one read straight into its local
         shard in one read (its blocks were checked by the check pass); then
-        CorruptCheckpointError unless a pinned file is still unchanged."""
+        CorruptCheckpointError unless a pinned file is still unchanged. A mapped file's
+        contiguous parts are copied and checked as they land instead (``_land_mapped``)."""
+        if isinstance(pinned := self._pins.get(file), MappedFile):
+            self._land_mapped(where, file, pinned, pieces)
+            return
         for item, piece in pieces:
             if piece.kept is not None or piece.contiguous is None:
                 self._land_copied(file, item, piece)
@@ -290,6 +302,34 @@ class Boxes:
             self._read(file)(local, piece.shard.begin + begin)
         if (pinned := self._pins.get(file)) is not None:
             require_unchanged(where, file, pinned)
+
+    def _land_mapped(
+        self, where: str, file: str, mapped: MappedFile, pieces: list[tuple[_Box, _Part]]
+    ) -> None:
+        """``_land_file`` for a mapped file (module doc): each block of a contiguous part
+        copied into its local shard and checked as it landed; others as ``_land_copied``."""
+        groups: list[list[tuple[int | None, memoryview]]] = []
+        owners: list[tuple[_Box, _Part, int]] = []
+        for item, piece in pieces:
+            if piece.kept is not None or piece.contiguous is None:
+                self._land_copied(file, item, piece)
+                continue
+            begin, end, at = piece.contiguous
+            address = item.local.data_ptr() + at - begin
+            for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
+                owners.append((item, piece, index))
+                a, b = max(lo, begin), min(hi, end)
+                cuts: list[tuple[int | None, int, int]] = [(None, lo, a), (address + a, a, b)]
+                cuts.append((None, b, hi))
+                at = piece.shard.begin
+                groups.append(
+                    [(d, v) for d, x, y in cuts if x < y for v in mapped.views(at + x, y - x)]
+                )
+        if groups:
+            digests = bytecopy.copy_checked_each(groups)
+            self._check_landed(
+                where, file, owners, digests, "the copy in memory changed after it was written"
+            )
 
     def _land_bounced(
         self, where: str, file: str, pieces: list[tuple[_Box, _Part]], staging: Bounce
@@ -311,7 +351,9 @@ class Boxes:
                 items.append(Block(hi - lo, piece.shard.begin + lo, ((dst, a - lo, b - lo),)))
         if items:
             digests = staging.run(self._read(file), items, chained=False)
-            self._check_landed(where, file, owners, digests)
+            self._check_landed(
+                where, file, owners, digests, "the file changed while it was being restored"
+            )
 
     def _land_copied(self, file: str, item: _Box, piece: _Part) -> None:
         """Land a piece kept by the check pass, or one strided in the shard or the local
@@ -323,7 +365,12 @@ class Boxes:
         item.local[self._where(item.box, piece.part)].copy_(fresh)
 
     def _check_landed(
-        self, where: str, file: str, owners: list[tuple[_Box, _Part, int]], digests: list[int]
+        self,
+        where: str,
+        file: str,
+        owners: list[tuple[_Box, _Part, int]],
+        digests: list[int],
+        why: str,
     ) -> None:
         """CorruptCheckpointError unless every landed block's digest is the manifest's."""
         for (item, piece, index), digest in zip(owners, digests, strict=True):
@@ -332,8 +379,7 @@ class Boxes:
                 raise CorruptCheckpointError(
                     f"{where}/{file}: CRC32C {digest:08x} of block {index} of the shard at "
                     f"{piece.shard.offsets} read into the live tensor {item.name!r} does not "
-                    f"match the manifest's {expected:08x} (the file changed while it was "
-                    "being restored)"
+                    f"match the manifest's {expected:08x} ({why})"
                 )
 
     @staticmethod

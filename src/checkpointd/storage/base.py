@@ -144,10 +144,11 @@ class PinnedFile(Protocol):
 
 @runtime_checkable
 class MappedFile(PinnedFile, Protocol):
-    """A pinned file whose bytes are already in this process's memory and that nothing
-    writes while it is open (the checkpoint service's memory tier): ``views`` gives
-    them without a copy. Bytes checked once through ``views`` stay valid, so a
-    reader may copy them out later without checking them again."""
+    """A pinned file whose bytes are already in this process's memory (the checkpoint
+    service's memory tier, which checkpointd never writes while it is lent): ``views``
+    gives them without a copy. Its ``unchanged`` cannot see a write into that memory
+    by another process, so a reader checks the bytes it copied out, never the mapping
+    before reading it again."""
 
     def views(self, offset: int, length: int) -> list[memoryview]:
         """The ``length`` bytes from ``offset``, as one or more read-only pieces in

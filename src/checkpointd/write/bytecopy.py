@@ -27,7 +27,7 @@ import torch
 
 from checkpointd.format.checksum import crc32c, crc32c_combine
 
-__all__ = ["copy_checked", "copy_plain", "copy_spans", "plain"]
+__all__ = ["copy_checked", "copy_checked_each", "copy_plain", "copy_spans", "plain"]
 
 _Chunk = TypeVar("_Chunk")
 
@@ -100,11 +100,20 @@ def copy_checked(pieces: Sequence[tuple[int | None, memoryview]]) -> int:
     with no destination (None) is only checksummed. One pass over memory instead of a
     check then a copy. Destinations must not overlap each other or any piece; the caller
     keeps them alive until it returns. Caller's thread (it copies too)."""
+    return copy_checked_each([pieces])[0]
+
+
+def copy_checked_each(groups: Sequence[Sequence[tuple[int | None, memoryview]]]) -> list[int]:
+    """``copy_checked`` of each group of pieces (a shard's blocks, each with its own
+    CRC32C), all groups' chunks shared by the same threads: one digest per group."""
     chunks: list[tuple[int, int | None, memoryview]] = []
-    for dst, view in pieces:
-        for start in range(0, len(view), CHUNK_BYTES):
-            at = None if dst is None else dst + start
-            chunks.append((len(chunks), at, view[start : start + CHUNK_BYTES]))
+    owners: list[int] = []
+    for group, pieces in enumerate(groups):
+        for dst, view in pieces:
+            for start in range(0, len(view), CHUNK_BYTES):
+                at = None if dst is None else dst + start
+                chunks.append((len(chunks), at, view[start : start + CHUNK_BYTES]))
+                owners.append(group)
     digests: list[int] = [0] * len(chunks)
 
     def check(chunk: tuple[int, int | None, memoryview]) -> None:
@@ -121,11 +130,11 @@ def copy_checked(pieces: Sequence[tuple[int | None, memoryview]]) -> int:
             digest = crc32c(landed[start : start + step], digest)
         digests[index] = digest
 
-    _shared(chunks, check, sum(len(view) for _, view in pieces))
-    digest = 0
-    for (_, _, view), part in zip(chunks, digests, strict=True):
-        digest = crc32c_combine(digest, part, len(view))
-    return digest
+    _shared(chunks, check, sum(len(view) for _, _, view in chunks))
+    combined = [0] * len(groups)
+    for (_, _, view), group, part in zip(chunks, owners, digests, strict=True):
+        combined[group] = crc32c_combine(combined[group], part, len(view))
+    return combined
 
 
 def _shared(chunks: Sequence[_Chunk], work: Callable[[_Chunk], object], total: int) -> None:
