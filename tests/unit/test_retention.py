@@ -267,3 +267,67 @@ def test_a_newer_commit_only_ever_deletes_older_checkpoints(
     """Retention run after committing a newer step keeps that step whatever its metric."""
     plan = plan_retention([*history, ckpt(new_step, m=1e9)], policy)
     assert new_step in plan.keep
+
+
+# --- damaged steps count for no rule ---------------------------------------------
+
+
+def test_a_damaged_newest_step_is_kept_but_an_older_sound_one_counts_instead() -> None:
+    plan = plan_retention(HISTORY, RetentionPolicy(keep_last=2), damaged=[60])
+    assert plan.reasons == {40: ("last",), 50: ("newest", "last"), 60: ("damaged",)}
+    assert steps(list(plan.delete)) == [10, 20, 30]
+
+
+def test_keep_best_ranks_only_sound_steps_and_a_damaged_victim_still_goes() -> None:
+    policy = RetentionPolicy(keep_best=1, best_metric="loss")  # lowest loss: the newest
+    plan = plan_retention(HISTORY, policy, damaged=[60, 20])
+    assert plan.reasons == {50: ("newest", "best"), 60: ("damaged",)}
+    assert steps(list(plan.delete)) == [10, 20, 30, 40]  # 20: damaged, kept by no rule
+
+
+def test_damage_never_deletes_what_the_plan_without_it_keeps() -> None:
+    policy = RetentionPolicy(keep_last=1, keep_every=20)
+    whole = plan_retention(HISTORY, policy)
+    for bad in ([60], [40, 60], [10, 20, 30, 40, 50, 60]):
+        plan = plan_retention(HISTORY, policy, damaged=bad)
+        assert whole.keep <= plan.keep
+        assert {v.step for v in plan.delete} <= {v.step for v in whole.delete}
+
+
+def _checked(bad: set[int], every: bool, first: int | None = None) -> tuple[Any, list[int]]:
+    from checkpointd.maintain.soundness import checked_plan
+
+    asked: list[int] = []
+
+    def check(step: int) -> str | None:
+        asked.append(step)
+        return "bad" if step in bad else None
+
+    policy = RetentionPolicy(keep_last=2)
+    planner = lambda damaged: plan_retention(HISTORY, policy, damaged=damaged)  # noqa: E731
+    return checked_plan(planner, check, every=every, first=first), asked
+
+
+def test_gc_checks_every_counted_step_and_replaces_each_damaged_one() -> None:
+    checked, asked = _checked({60, 40}, every=True)
+    assert asked == [60, 50, 40, 30]  # newest first; each failure pulls an older one in
+    assert checked.damaged == {60: "bad", 40: "bad"}
+    assert checked.sound == (50, 30)
+    assert checked.plan.keep == {30, 50, 60}  # 60 damaged but newest; 40 damaged, kept by none
+    assert steps(list(checked.plan.delete)) == [10, 20, 40]
+
+
+def test_a_writer_checks_its_commit_and_reads_further_only_if_it_fails() -> None:
+    checked, asked = _checked(set(), every=False, first=60)
+    assert asked == [60]
+    assert steps(list(checked.plan.delete)) == [10, 20, 30, 40]
+    checked, asked = _checked({60}, every=False, first=60)
+    assert asked == [60, 50]  # 40 is kept unread: the root keeps 50, which checked out
+    assert steps(list(checked.plan.delete)) == [10, 20, 30]
+
+
+def test_nothing_is_deleted_when_no_counted_step_checks_out() -> None:
+    checked, _ = _checked({10, 20, 30, 40, 50, 60}, every=True)
+    assert checked.refused
+    assert checked.plan.delete == ()
+    assert checked.plan.keep == {10, 20, 30, 40, 50, 60}

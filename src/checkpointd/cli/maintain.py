@@ -13,6 +13,7 @@ from checkpointd.cli.parser import open_root, storage_options
 from checkpointd.errors import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
+    from checkpointd.maintain.gc import GcPlan
     from checkpointd.maintain.retention import RetentionPolicy
     from checkpointd.storage import Store
 
@@ -127,7 +128,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for info in plan.checkpoints:
             if info.step in plan.retention.reasons:
                 reasons = ", ".join(plan.retention.reasons[info.step])
-                print(f"  keep    step {info.step:>10}  ({reasons})")
+                checked = "  verified" if info.step in plan.verified else ""
+                print(f"  keep    step {info.step:>10}  ({reasons}){checked}")
             else:
                 print(
                     f"  delete  step {info.step:>10}  frees {size_text(plan.step_frees(info.step))}"
@@ -144,6 +146,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(
                 f"  note: no metric {policy.best_metric!r} at steps {steps}: keep_best skips them"
             )
+        _report_damage(plan)
         for problem in plan.problems:
             print(f"checkpointd gc: {problem}", file=sys.stderr)
         print(f"leftovers (untouched for {args.older_than:g} s or more, no live writer):")
@@ -163,4 +166,25 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"leftover(s), {'freed' if args.apply else 'would free'} {size_text(plan.freed)}"
         + ("" if args.apply else "; rerun with --apply to delete")
     )
-    return 0
+    return 1 if plan.refused else 0
+
+
+def _report_damage(plan: GcPlan) -> None:
+    """On stderr: each counted step that failed verification, and what is kept instead."""
+    for step, problem in sorted(plan.damaged.items()):
+        print(
+            f"checkpointd gc: step {step} fails verification ({problem}): kept, but it "
+            "counts for no retention rule",
+            file=sys.stderr,
+        )
+    if plan.refused:
+        print(
+            "checkpointd gc: no checkpoint that retention counts verifies: deleting no "
+            "checkpoint (see checkpointd verify ROOT --all)",
+            file=sys.stderr,
+        )
+    elif plan.damaged:
+        sound = [s for s in plan.retention.reasons if s not in plan.damaged]
+        instead = f"keeping step {max(sound)} in its place" if sound else "keeping the others"
+        checked = " (verified)" if sound and max(sound) in plan.verified else ""
+        print(f"checkpointd gc: {instead}{checked}", file=sys.stderr)

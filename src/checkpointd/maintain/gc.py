@@ -1,11 +1,15 @@
 """``checkpointd gc`` as a library: what retention and leftover cleanup would remove, and doing it.
 
+Before a plan deletes any checkpoint, every step it counts on (the newest,
+``--keep-last``'s and ``--keep-best``'s picks) is read whole against its manifest;
+one that fails is kept but not counted, so an older one that verifies takes its
+place (soundness.py), and if none verifies no checkpoint is deleted.
 Blocking; any thread. Imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.maintain.cleanup import Leftover, remove_leftovers, scan_leftovers
@@ -15,6 +19,7 @@ from checkpointd.maintain.retention import (
     delete_checkpoints,
     plan_retention,
 )
+from checkpointd.maintain.soundness import checked_plan, verified
 from checkpointd.read import catalog
 from checkpointd.storage import Store
 
@@ -38,6 +43,12 @@ class GcPlan:
     shared_frees: int = 0
     """Bytes of shared blobs that only doomed steps use, several of them: freed too,
     and counted in no step's ``frees``."""
+    damaged: dict[int, str] = field(default_factory=dict)
+    """Counted steps that failed verification (what was wrong first): kept, not counted."""
+    verified: tuple[int, ...] = ()
+    """Steps read whole and found intact before deciding, in the order checked."""
+    refused: bool = False
+    """No counted step verified: the plan deletes no checkpoint."""
 
     def step_frees(self, step: int) -> int:
         """Bytes deleting doomed ``step`` frees (see ``frees``)."""
@@ -59,11 +70,19 @@ class GcPlan:
 
 
 def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPlan:
-    """Plan a collection: reads every manifest, lists leftovers untouched ``older_than`` s."""
+    """Plan a collection: reads every manifest, lists leftovers untouched ``older_than`` s,
+    and, if the plan deletes a checkpoint, verifies every step it counts on first."""
     found = catalog.committed(store)
+    manifests = dict(found)
     checkpoints = [CheckpointInfo.from_manifest(m, catalog.step_path(store, s)) for s, m in found]
     scan = scan_leftovers(store, older_than=older_than)
-    retention = plan_retention(checkpoints, policy)
+    seen: dict[tuple[str, int], str | None] = {}  # a shared blob is read once
+    checked = checked_plan(
+        lambda damaged: plan_retention(checkpoints, policy, damaged=damaged),
+        lambda step: verified(store, step, manifests[step], seen),
+        every=True,
+    )
+    retention = checked.plan
     doomed = {v.step for v in retention.delete}
     kept = {b.name for s, m in found if s not in doomed for b in m.blobs}
     users: dict[str, set[int]] = {}
@@ -82,7 +101,17 @@ def plan_gc(store: Store, policy: RetentionPolicy, *, older_than: float) -> GcPl
             frees[next(iter(steps))] += sizes[name]
         else:
             shared += sizes[name]
-    return GcPlan(checkpoints, retention, scan.leftovers, scan.problems, frees, shared)
+    return GcPlan(
+        checkpoints,
+        retention,
+        scan.leftovers,
+        scan.problems,
+        frees,
+        shared,
+        damaged=checked.damaged,
+        verified=checked.sound,
+        refused=checked.refused,
+    )
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:

@@ -16,21 +16,23 @@ twice its own last save interval), so a save another writer just reported
 durable stays loadable for at least that long. Each manifest records the
 random id of the writer instance that committed it (``Manifest.writer``); a
 manifest without one counts as another writer's. A restarted job is the
-exception to the exception: a writer opened after this process restored a
-checkpoint of the root continues that checkpoint's lineage (lineage.py) and
-treats the lineage's checkpoints up to the restored step as its own.
+exception to the exception: a writer whose process restored a checkpoint of the
+root before the writer's first commit continues that checkpoint's lineage
+(lineage.py) and treats the lineage's checkpoints up to the restored step as its own.
+
+Damage: only checkpoints that check out count for a rule; a writer checks the step
+it just committed for presence, gc reads every counted step whole (soundness.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import secrets
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -39,7 +41,8 @@ from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RetentionWarning, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import CheckpointInfo, Manifest
-from checkpointd.maintain.lineage import lineage_of, resumed_from
+from checkpointd.maintain.lineage import WriterIdentity
+from checkpointd.maintain.soundness import Checked, checked_plan, present, verified
 from checkpointd.read.catalog import committed as committed_manifests
 from checkpointd.read.catalog import step_path
 from checkpointd.storage import Store
@@ -54,71 +57,6 @@ __all__ = [
     "delete_checkpoints",
     "plan_retention",
 ]
-
-
-@dataclass(slots=True)
-class WriterIdentity:
-    """One writer instance: the random id its manifests carry, and its save interval.
-
-    Used only from the writer's event loop (one save at a time).
-    """
-
-    id: str = field(default_factory=lambda: secrets.token_hex(8))
-    lineage: str = ""
-    """The lineage its manifests record (lineage.py): its own id, or a resumed one's."""
-    inherited: int | None = None
-    """The step it resumed from: its lineage's checkpoints up to it count as its own."""
-    last_commit: float | None = None
-    """When this writer last committed (time.monotonic())."""
-    interval: float | None = None
-    """Seconds between its last two commits."""
-    root: str = ""
-    """The root it writes ("": none known), whose restores ``follow_resume`` picks up."""
-
-    def __post_init__(self) -> None:
-        self.lineage = self.lineage or self.id
-
-    @classmethod
-    def for_root(cls, url: str) -> WriterIdentity:
-        """A new identity for a writer of root ``url``: continuing the lineage of the
-        checkpoint this process restored from it, if any (lineage.py)."""
-        identity = cls(root=url)
-        identity.follow_resume()
-        return identity
-
-    def follow_resume(self) -> None:
-        """Before this writer's first commit: continue the lineage of the checkpoint this
-        process restored from its root last, also when the restore came after the writer
-        was made (``writer.restore``, accelerate's ``load_state(accelerator, writer)``).
-        After its first commit the lineage its manifests record stays. Writer's loop."""
-        if self.last_commit is not None or not self.root:
-            return
-        resumed = resumed_from(self.root)
-        if resumed is not None:
-            self.lineage, self.inherited = resumed.lineage, resumed.step
-
-    def owns(self, step: int, manifest: Manifest, newest: Mapping[str, int]) -> bool:
-        """True if checkpoint ``step`` is this writer's to prune without a grace window:
-        its own, or its lineage's up to the inherited step from an instance that has
-        committed nothing after it (``newest``: each writer id's newest step)."""
-        if manifest.writer == self.id:
-            return True
-        if self.inherited is None or step > self.inherited:
-            return False
-        if lineage_of(manifest) != self.lineage:
-            return False
-        return newest.get(manifest.writer, step) <= self.inherited
-
-    def note_commit(self, now: float) -> None:
-        """Record a commit at ``now`` (monotonic seconds)."""
-        if self.last_commit is not None:
-            self.interval = max(0.0, now - self.last_commit)
-        self.last_commit = now
-
-    def grace(self) -> float:
-        """How long another writer's checkpoint is kept after its commit: tunables.GRACE_SECONDS or
-        twice this writer's last save interval, whichever is longer."""
-        return max(tunables.GRACE_SECONDS, 2 * (self.interval or 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +97,8 @@ class RetentionPlan:
     """What a policy does to a list of committed checkpoints.
 
     ``reasons[step]`` names the rules that keep ``step`` ("newest", "last",
-    "every", "best", "protected"); ``delete`` is what no rule keeps, oldest
-    first; ``unranked`` are steps the best-metric rule could not rank.
+    "every", "best", "protected", "damaged"); ``delete`` is what no rule keeps,
+    oldest first; ``unranked`` are steps the best-metric rule could not rank.
     """
 
     reasons: dict[int, tuple[str, ...]]
@@ -181,6 +119,7 @@ def plan_retention(
     foreign: Mapping[int, float] | None = None,
     now: float | None = None,
     grace: float | None = None,
+    damaged: Iterable[int] = (),
 ) -> RetentionPlan:
     """Apply ``policy`` to ``checkpoints`` (committed ones, any order); pure, never warns.
 
@@ -189,7 +128,23 @@ def plan_retention(
     committed to when it committed them (Unix seconds); those committed less
     than ``grace`` seconds (default tunables.GRACE_SECONDS) before ``now`` (Unix
     seconds, required with ``foreign``) are kept too ("other writer").
+    ``damaged`` steps (found not to check out, soundness.py) count for no rule: the
+    rules pick among the others (the newest sound step is kept as "newest"), and a
+    damaged step is kept ("damaged") only where the plan without ``damaged`` keeps it.
     """
+    bad = set(damaged)
+    if bad:
+        kwargs: dict[str, Any] = {"protect": protect, "foreign": foreign, "now": now}
+        whole = plan_retention(checkpoints, policy, grace=grace, **kwargs)
+        sound = [c for c in checkpoints if c.step not in bad]
+        plan = plan_retention(sound, policy, grace=grace, **kwargs)
+        kept = dict(plan.reasons)
+        kept.update((s, ("damaged",)) for s in whole.reasons if s in bad)
+        return RetentionPlan(
+            reasons=dict(sorted(kept.items())),
+            delete=tuple(c for c in whole.delete if c.step not in kept),
+            unranked=plan.unranked,
+        )
     if foreign and now is None:
         raise InvalidArgumentError("plan_retention: pass now with foreign")
     grace = tunables.GRACE_SECONDS if grace is None else grace
@@ -243,6 +198,16 @@ def _best_steps(
         ranked.append((value if policy.best_mode == "min" else -value, -checkpoint.step))
     ranked.sort()
     return [-neg_step for _, neg_step in ranked[: policy.keep_best]], unranked
+
+
+def _damaged_warning(checked: Checked) -> str:
+    """The RetentionWarning message for the damaged steps a checked plan found."""
+    lines = [f"step {s} does not check out ({why})" for s, why in sorted(checked.damaged.items())]
+    if checked.refused:
+        return "; ".join(lines) + ": no checkpoint checks out, so retention deletes none"
+    others = [s for s in checked.plan.reasons if s not in checked.damaged]
+    kept = f"; keeping step {max(others)} in its place" if others else ""
+    return "; ".join(lines) + ": it counts for no retention rule" + kept
 
 
 def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
@@ -328,14 +293,16 @@ def _plan(
     protect: tuple[int, ...],
     identity: WriterIdentity | None,
     known: dict[int, Manifest] | None,
-) -> tuple[list[int], tuple[int, ...], dict[int, Manifest]]:
-    """(steps to delete, unranked steps, the manifests read) for ``policy``, sparing another
-    writer's fresh checkpoints when ``identity`` is given. Worker thread."""
+) -> tuple[Checked, dict[int, Manifest]]:
+    """The checked plan for ``policy`` (soundness.py: the step just committed, ``protect``,
+    checked for presence, any other counted step read whole) and the manifests read,
+    sparing another writer's fresh checkpoints when ``identity`` is given. Worker thread."""
     found = committed_manifests(store, known=known)
+    manifests = dict(found)
     checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]
     plan = plan_retention(checkpoints, policy, protect=protect)
+    extra: dict[str, Any] = {"protect": protect}
     if identity is not None and plan.delete:
-        manifests = dict(found)
         newest: dict[str, int] = {}
         for step, manifest in found:
             newest[manifest.writer] = max(step, newest.get(manifest.writer, step))
@@ -345,15 +312,20 @@ def _plan(
             if not identity.owns(v.step, manifests[v.step], newest)
         }
         if foreign:
-            plan = plan_retention(
-                checkpoints,
-                policy,
-                protect=protect,
-                foreign=foreign,
-                now=time.time(),
-                grace=identity.grace(),
-            )
-    return [v.step for v in plan.delete], plan.unranked, dict(found)
+            extra.update(foreign=foreign, now=time.time(), grace=identity.grace())
+
+    def check(step: int) -> str | None:
+        if step in protect:  # just committed by this writer: see soundness.py
+            return present(store, step, manifests[step])
+        return verified(store, step, manifests[step])
+
+    checked = checked_plan(
+        lambda damaged: plan_retention(checkpoints, policy, damaged=damaged, **extra),
+        check,
+        every=False,
+        first=protect[0] if protect else None,
+    )
+    return checked, manifests
 
 
 async def apply_retention(
@@ -373,20 +345,28 @@ async def apply_retention(
     ``committed_step``) is never deleted, so a durable checkpoint always remains.
     With ``identity`` (the writer's), checkpoints another writer committed within
     ``identity.grace()`` seconds are kept too (see retention's module docstring).
-    Warns (RetentionWarning) if ``committed_step`` lacks the best metric.
+    Before deleting anything, ``committed_step`` is checked for presence (its files
+    and blobs at their sizes); if it fails, the step counted instead is verified whole,
+    and so on (soundness.py): a step that does not check out counts for no rule, and
+    if none checks out nothing is deleted. Warns (RetentionWarning) for such steps,
+    and if ``committed_step`` lacks the best metric.
     ``known`` caches manifests across passes (see ``catalog.scan``).
     """
     if not policy.deletes_anything:
         return []
     protect = () if committed_step is None else (committed_step,)
-    victims, unranked, manifests = await anyio.to_thread.run_sync(
+    checked, manifests = await anyio.to_thread.run_sync(
         functools.partial(_plan, store, policy, protect, identity, known), limiter=limiter
     )
+    if checked.damaged:
+        warnings.warn(_damaged_warning(checked), RetentionWarning, stacklevel=2)
+    victims = [v.step for v in checked.plan.delete]
     deleted: list[int] = []
     if victims:
         deleted = await anyio.to_thread.run_sync(
             delete_checkpoints, store, victims, manifests, known, limiter=limiter
         )
+    unranked = checked.plan.unranked
     if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.
         warnings.warn(_unranked_warning([committed_step], policy), RetentionWarning, stacklevel=2)
