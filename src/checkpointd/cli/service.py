@@ -32,11 +32,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     import msgspec
 
     from checkpointd.daemon.client import status
+    from checkpointd.daemon.memtier import shown_key
 
     reply = status(args.socket or "auto")
+    kept = {shown_key(root): steps for root, steps in reply.kept.items()}  # no credentials
     if args.json:
         fields = msgspec.structs.asdict(reply)
         fields.pop("id")
+        fields["kept"] = kept
         print(json.dumps(fields))
         return 0
     limit = "no limit" if reply.memory_limit is None else size_text(reply.memory_limit)
@@ -48,6 +51,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"memory: {size_text(reply.bytes_staged)} staged, {size_text(reply.bytes_kept)} kept "
         f"({limit})"
     )
-    for root, steps in reply.kept.items():
-        print(f"kept in memory: {root.rsplit(' ', 1)[0]}: steps {', '.join(map(str, steps))}")
+    for root, steps in kept.items():
+        print(f"kept in memory: {root}: steps {', '.join(map(str, steps))}")
     return 0

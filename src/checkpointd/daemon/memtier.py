@@ -31,10 +31,67 @@ from checkpointd.storage import FileSink, Store, fixed_root, resolve_root
 from .protocol import HeldFile, ProtocolError
 from .shm import MappedSegment
 
-__all__ = ["HeldCheckpoint", "MemoryStore", "MemoryTier", "ReadOnlyStore", "root_key"]
+__all__ = [
+    "HeldCheckpoint",
+    "MemoryStore",
+    "MemoryTier",
+    "ReadOnlyStore",
+    "RootKey",
+    "root_key",
+    "shown_key",
+    "shown_root",
+]
 
 
-def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
+def shown_root(root: str, storage_options: Mapping[str, Any] | None) -> str:
+    """``root`` as the service may print or log it: a URL's user and password
+    (``user:pw@``) and query (a signed URL's token) masked, and the names of its storage options, never
+    their values (credentials)."""
+    protocol, sep, rest = root.partition("://")
+    if sep:
+        where, slash, path = rest.partition("/")
+        _, at, host = where.rpartition("@")
+        if at:
+            where = f"***@{host}"
+        path, query, _ = path.partition("?")
+        root = f"{protocol}{sep}{where}{slash}{path}{query and '?***'}"
+    if not storage_options:
+        return root
+    return f"{root} (storage options: {', '.join(sorted(map(str, storage_options)))})"
+
+
+def shown_key(key: str) -> str:
+    """A root of a status reply as ``shown_root`` shows it, also from a service older
+    than it, whose keys were the root, a space and its storage options' JSON."""
+    at = key.find(" {")
+    while at >= 0:
+        try:
+            options = msgspec.json.decode(key[at + 1 :])
+        except msgspec.DecodeError:
+            at = key.find(" {", at + 1)
+            continue
+        if isinstance(options, dict):
+            return shown_root(key[:at], options)
+        break
+    return key
+
+
+@dataclass(frozen=True, repr=False)
+class RootKey:
+    """A checkpoint root as the memory tier knows it (``root_key``). Its storage options
+    may carry credentials: ``str`` and ``repr`` are ``shown_root``'s, without them."""
+
+    name: str
+    options: str
+    """The storage options, as sorted JSON."""
+
+    def __str__(self) -> str:
+        return shown_root(self.name, msgspec.json.decode(self.options))
+
+    __repr__ = __str__
+
+
+def root_key(root: str, storage_options: Mapping[str, Any] | None) -> RootKey:
     """One name per checkpoint root, whichever way a client spells it: a local path
     with symlinks resolved, a URL without its trailing slash, with its storage options.
     ProtocolError for a root that names a different place in each process (a relative
@@ -50,7 +107,7 @@ def root_key(root: str, storage_options: Mapping[str, Any] | None) -> str:
     elif "://" not in name:
         name = os.path.realpath(name)
     options = msgspec.json.encode(storage_options or {}, order="sorted").decode()
-    return f"{name} {options}"
+    return RootKey(name, options)
 
 
 @dataclass
@@ -85,9 +142,9 @@ class MemoryTier:
     """Steps held per root (the shares of one step that local ranks hold count once)."""
     release: Callable[[MappedSegment], None]
     """Frees a segment (and its bytes in the service's memory budget)."""
-    roots: dict[str, list[HeldCheckpoint]] = field(default_factory=dict)
+    roots: dict[RootKey, list[HeldCheckpoint]] = field(default_factory=dict)
 
-    def add(self, key: str, held: HeldCheckpoint) -> None:
+    def add(self, key: RootKey, held: HeldCheckpoint) -> None:
         """Hold ``held`` (just committed) for root ``key``; the copy it supersedes and the
         steps older than the newest ``keep`` go."""
         if self.keep <= 0:
@@ -107,7 +164,7 @@ class MemoryTier:
                 self.release(kept.pop(0).segment)
         self.roots[key] = kept
 
-    def find(self, key: str, step: int, rank: int = 0) -> HeldCheckpoint | None:
+    def find(self, key: RootKey, step: int, rank: int = 0) -> HeldCheckpoint | None:
         """The held copy of ``step``: ``rank``'s share where local ranks each hold one,
         else the first held."""
         found = [h for h in self.roots.get(key, []) if h.step == step]
@@ -125,7 +182,7 @@ class MemoryTier:
             del self.roots[key]
         return True
 
-    def drop_root(self, key: str) -> None:
+    def drop_root(self, key: RootKey) -> None:
         """Forget every held checkpoint of ``key`` (storage changed under it)."""
         for held in self.roots.pop(key, []):
             self.release(held.segment)
@@ -135,7 +192,12 @@ class MemoryTier:
         return sum(h.nbytes for held in self.roots.values() for h in held)
 
     def steps(self) -> dict[str, list[int]]:
-        return {key: sorted({h.step for h in held}) for key, held in self.roots.items()}
+        """The steps held, by root as it may be shown (``RootKey``: no storage options'
+        values; roots that differ only in those are shown as one)."""
+        shown: dict[str, set[int]] = {}
+        for key, held in self.roots.items():
+            shown.setdefault(str(key), set()).update(h.step for h in held)
+        return {name: sorted(steps) for name, steps in shown.items()}
 
     def clear(self) -> None:
         for key in list(self.roots):

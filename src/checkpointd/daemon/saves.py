@@ -35,7 +35,7 @@ from . import protocol as p
 from .conn import Conn
 from .held import Committed, held_checkpoint
 from .memory import SharedMemory
-from .memtier import MemoryTier, root_key
+from .memtier import MemoryTier, RootKey, root_key
 from .shm import MappedSegment
 from .snapshot import rebuild
 
@@ -71,7 +71,8 @@ class HostedWriteService(WriteService):
 @dataclass
 class Writer:
     ident: int
-    key: str
+    key: RootKey
+    """Its root (shown without its storage options' values: ``str(key)``)."""
     service: HostedWriteService
     conn: Conn | None
     pending: int = 0
@@ -204,7 +205,7 @@ class Saves:
             except Exception as exc:
                 error = first_leaf(exc)
                 self.failed += 1
-                _log.warning("step %d of %s failed: %s", snapshot.step, writer.key, error)
+                _log.warning("step %d of %s failed: %s", snapshot.step, str(writer.key), error)
                 self.memory.release(segment)
                 if writer.conn is not None:
                     await writer.conn.send(p.Failed(save, type(error).__name__, str(error)))
