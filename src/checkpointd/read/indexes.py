@@ -127,6 +127,26 @@ class ShardIndexes:
             )
         return ShardedTensor(stored.dtype, stored.shape, shards)
 
+    def problems(self) -> list[str]:
+        """``verify``'s check, the one ``load`` makes: every index read and checked
+        (``_read``), then every sharded tensor's shards, inline and indexed, checked to
+        tile it (``sharded``); one line per refusal, nothing if none."""
+        bad: list[str] = []
+        for name in self.names:
+            try:
+                self._load([name])
+            except CheckpointError as exc:
+                bad.append(str(exc))
+        if bad:
+            return bad
+        for component, entry in self.reader.manifest.components.items():
+            for tensor, stored in entry.sharded.items():
+                try:
+                    self.sharded(component, tensor, stored)
+                except CorruptCheckpointError as exc:
+                    bad.append(str(exc))
+        return bad
+
     def _nearest(self, shape: tuple[int, ...], box: Box, near: Sequence[int]) -> Iterator[str]:
         """The index names in the order to look, made as they are asked for (a lookup
         stops at the first few): the loaded ones (they cost nothing), those of ranks

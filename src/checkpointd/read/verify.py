@@ -1,5 +1,6 @@
 """Verifying a committed step: every file streamed through CRC32C and every shared blob
-through XXH3-128, against the manifest (sizes first), in constant memory. No torch.
+through XXH3-128, against the manifest (sizes first), in constant memory; then a schema 4
+step's shard indexes checked as ``load`` checks them (read/indexes.py). No torch.
 Blocking; any thread."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import blob_path, step_dirname
 from checkpointd.format.manifest import BlobEntry, FileEntry, Manifest
 from checkpointd.read import catalog
+from checkpointd.read.reader import StepReader
 from checkpointd.storage import Store
 
 __all__ = ["Progress", "verify_blob", "verify_file", "verify_step"]
@@ -29,17 +31,23 @@ def verify_step(
     seen: dict[tuple[str, int], str | None] | None = None,
 ) -> list[str]:
     """Check every file and shared blob of a committed step (sizes, CRC32C of files,
-    XXH3-128 of blobs against their names); one line per bad file or blob.
+    XXH3-128 of blobs against their names), then, if its index files are intact, its
+    shard indexes against the manifest (``ShardIndexes.problems``, what ``load``
+    refuses); one line per bad file, blob or index.
 
     ``seen`` caches blob results across calls (a blob shared by many checkpoints is
     read once); a bad blob is reported again for every checkpoint that uses it.
     """
     where = catalog.step_path(store, step)
     bad: list[str] = []
+    intact = True
     for entry in manifest.files:
         problem = verify_file(store, step, entry, progress)
         if problem is not None:
             bad.append(f"{where}/{entry.path}: {problem}")
+            intact = intact and entry.path not in manifest.shard_indexes
+    if manifest.shard_indexes and intact:
+        bad += StepReader(store, step, manifest).indexes.problems()
     for blob in manifest.blobs:
         key = (blob.name, blob.size)
         if seen is not None and key in seen:
