@@ -106,3 +106,27 @@ def test_two_processes_save_and_restore_exactly_with_each_process_rng(tmp_path: 
     draws = [r["params"]["rng_draw"] for r in straight]
     assert not torch.equal(draws[0], draws[1])
     assert [c.step for c in checkpointd.list_checkpoints(str(tmp_path / "run"))] == [3]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_resume_exactly_from_saves_on_an_epochs_last_batch(tmp_path: Path) -> None:
+    """2 processes, 3 epochs of 4 batches each: saved on epoch 0's last batch (the loader
+    iterated plainly), resumed and saved mid-epoch 1, resumed through rest_of_epoch and
+    saved on epoch 1's last batch, resumed to the end: bit-exact against a straight run.
+    Each resume goes through load_state(accelerator, writer) with keep_last=2, and keeps 2."""
+    straight = _ranks(tmp_path / "straight", tmp_path / "s", 2, epochs=3)
+    run, legs = tmp_path / "run", []
+    legs.append(_ranks(run, tmp_path / "a", 2, epochs=3, save_every=2, save_at=4))
+    assert [c.step for c in checkpointd.list_checkpoints(str(run))] == [2, 4]
+    legs.append(_ranks(run, tmp_path / "b", 2, epochs=3, resume=True, save_at=6, seed=99))
+    legs.append(_ranks(run, tmp_path / "c", 2, epochs=3, resume=True, save_at=8, seed=98))
+    assert [c.step for c in checkpointd.list_checkpoints(str(run))] == [6, 8]
+    legs.append(_ranks(run, tmp_path / "d", 2, epochs=3, resume=True, seed=97))
+    for rank in range(2):
+        seen = [batch for leg in legs for batch in leg[rank]["seen"]]
+        assert len(seen) == len(straight[rank]["seen"]) == 12
+        for i, (a, b) in enumerate(zip(seen, straight[rank]["seen"], strict=True)):
+            assert torch.equal(a, b), f"rank {rank}: batch {i} differs"
+        want, got = straight[rank]["params"], legs[-1][rank]["params"]
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"rank {rank} differs"

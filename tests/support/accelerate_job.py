@@ -1,7 +1,9 @@
 """A tiny accelerate job for checkpointd.integrations.accelerate's tests: ``python -m tests.support.accelerate_job``.
 
-``run`` trains 2 epochs of 8 batches (8 per process, split over the processes); it can
-stop after ``save_at`` batches (saving there) or resume from a root first. It returns
+``run`` trains 2 epochs (``epochs``) of 8 batches (split over the processes); it can
+stop after ``save_at`` batches (saving there), save every ``save_every`` batches on the
+way (a writer with ``keep_last=2``), or resume from a root first (the loop the
+integration's docstring shows: ``batches_done % len(loader)`` picks ``rest_of_epoch``). It returns
 the parameters (and a draw from the process's torch generator at the end, which the
 RNG restore decides) and the batches it saw. ``--rank R WORLD PORT`` runs it as one
 process of a ``WORLD``-process job (gloo on CPU, torch.distributed's env:// rendezvous
@@ -42,6 +44,8 @@ def run(
     save_at: int | None = None,
     resume: bool = False,
     hidden: int = 16,
+    epochs: int = EPOCHS,
+    save_every: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -70,7 +74,7 @@ def run(
     with CheckpointWriter(root, keep_last=2) as writer:
         if resume:
             done = load_state(accelerator, writer).metadata["batches_done"]
-        while done < EPOCHS * per_epoch:
+        while done < epochs * per_epoch:
             batches: Any = loader
             if done % per_epoch:
                 batches = rest_of_epoch(accelerator, loader, done % per_epoch)
@@ -83,8 +87,9 @@ def run(
                 optimizer.zero_grad()
                 counter.seen += 1
                 done += 1
-                if done == save_at:
+                if done == save_at or (save_every and done % save_every == 0):
                     save_state(accelerator, writer, done, metadata={"batches_done": done})
+                if done == save_at:
                     return {}, seen
     params = {
         k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()

@@ -2,14 +2,20 @@
 
 The checkpointd counterpart of ``accelerator.save_state``/``load_state``::
 
-    from checkpointd.integrations.accelerate import load_state, save_state
+    from checkpointd.integrations.accelerate import load_state, rest_of_epoch, save_state
 
-    writer = CheckpointWriter("s3://bucket/run", keep_last=3)  # background, durable
-    if resuming:
-        info = load_state(accelerator, writer)                  # all or nothing
-        batches = rest_of_epoch(accelerator, loader, info.metadata["batches_in_epoch"])
-    ...
-    save_state(accelerator, writer, step, metadata={"batches_in_epoch": i + 1})
+    with CheckpointWriter("s3://bucket/run", keep_last=3) as writer:  # background, durable
+        done = 0                                                # batches trained, all epochs
+        if writer.list_checkpoints():
+            done = load_state(accelerator, writer).metadata["done"]  # all or nothing
+        while done < epochs * len(loader):
+            in_epoch = done % len(loader)   # epoch done // len(loader): the loader agrees
+            batches = rest_of_epoch(accelerator, loader, in_epoch) if in_epoch else loader
+            for batch in batches:
+                ...                                             # one training step
+                done += 1
+                if done % save_every == 0:
+                    save_state(accelerator, writer, done, metadata={"done": done})
 
 Components (one per object, in ``prepare`` order): ``model_0``...,
 ``optimizer_0``..., ``scheduler_0``..., ``dataloader_0``... (the sampler's
@@ -21,11 +27,13 @@ Restore is strict: a missing or unexpected object, a shape or a device count
 that does not fit raises RestoreMismatchError before anything changes (accelerate
 itself logs a failed RNG restore at INFO and goes on).
 
-Mid-epoch resume: the batches of the interrupted epoch come back in the same
-order with ``DataLoaderConfiguration(use_seedable_sampler=True)`` (the order is a
-function of seed and epoch); skip the batches already seen with
-``rest_of_epoch``. A plain sampler's generator is restored as
-saved, which repeats the order exactly when saved between epochs.
+Resume: a dataloader's position is the epoch of its next batch, so a save on an
+epoch's last batch restores it at the next epoch, as ``done // len(loader)`` says.
+Mid-epoch, the batches of the interrupted epoch come back in the same order with
+``DataLoaderConfiguration(use_seedable_sampler=True)`` (the order is a function of
+seed and epoch); skip the batches already seen with ``rest_of_epoch``. A plain
+sampler's generator is restored as saved, which repeats the order exactly when
+saved between epochs.
 
 Several processes (``accelerate launch``, torchrun; accelerate sets up the
 process group): every process calls ``save_state`` and ``load_state`` with the
@@ -37,19 +45,24 @@ dataloaders one shuffle order on every process
 (``DataLoaderConfiguration(data_seed=...)``, or the same seed before ``prepare``):
 their positions are replicated too. Calling it on the main process only fails
 with an error naming the ranks that did not join (a writer made with
-``process_group=checkpointd.LOCAL`` saves that process alone). Call from the
-training thread.
+``process_group=checkpointd.LOCAL`` saves that process alone). On a machine
+without GPUs, ``accelerate launch --multi_gpu --num_processes 2`` (or ``torchrun
+--nproc_per_node 2``) starts two processes, each a ``MULTI_CPU`` accelerator over
+gloo; ``accelerate launch --cpu --num_processes 2`` starts one (accelerate runs
+``--cpu`` jobs through its single-process launcher unless given an MPI host file).
+Call from the training thread.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from checkpointd.errors import RestoreMismatchError
-from checkpointd.integrations.accelerate_prepared import prepared
+from checkpointd.integrations.accelerate_prepared import on_last_batch, prepared
 from checkpointd.read.restore import RestoreInfo, restore
 from checkpointd.state.rng import RNGState
 from checkpointd.write.handle import SaveHandle
@@ -59,6 +72,9 @@ __all__ = ["accelerator_state", "load_state", "rest_of_epoch", "save_state"]
 
 
 _END = object()
+
+_iterating: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""A prepared dataloader -> the loader ``rest_of_epoch`` iterates in its place."""
 
 
 class _Counter:
@@ -88,7 +104,13 @@ class _SamplerPosition:
         from accelerate.data_loader import SeedableRandomSampler
 
         sampler = self.sampler
-        state: dict[str, Any] = {"iteration": int(getattr(self.dataloader, "iteration", 0))}
+        # "iteration": the epoch of the next batch. Saved on an epoch's last batch, the
+        # loader still counts that epoch (it moves on when asked for one more batch):
+        # restored as is, the next loop would draw that epoch's order again.
+        epoch = int(getattr(self.dataloader, "iteration", 0))
+        if on_last_batch(_iterating.get(self.dataloader, self.dataloader)):
+            epoch += 1
+        state: dict[str, Any] = {"iteration": epoch}
         if isinstance(sampler, SeedableRandomSampler):
             state["initial_seed"] = int(sampler.initial_seed)
         else:
@@ -170,7 +192,12 @@ def rest_of_epoch(accelerator: Any, dataloader: Any, batches_done: int) -> Itera
     the order an uninterrupted run sees them, with torch's global generator where that run
     had it (exact when loading a batch draws no global randomness: ``num_workers=0``, or
     workers that do not use their seed); afterwards the dataloader is at the next
-    epoch (``accelerator.skip_first_batches`` alone starts its epoch count again at 0)."""
+    epoch (``accelerator.skip_first_batches`` alone starts its epoch count again at 0).
+    ``batches_done`` of ``len(dataloader)`` or more yields nothing: a save on an epoch's
+    last batch restores the loader at the next epoch already. A ``save_state`` while
+    these batches are handed out records the dataloader's position as its own would."""
+    if batches_done >= len(dataloader):
+        return
     epoch = int(getattr(dataloader, "iteration", 0))
     skipped = accelerator.skip_first_batches(dataloader, batches_done)
     if hasattr(skipped, "set_epoch"):
@@ -178,11 +205,15 @@ def rest_of_epoch(accelerator: Any, dataloader: Any, batches_done: int) -> Itera
     # Starting an epoch draws a seed from torch's global generator, which the
     # interrupted run drew before it saved: put the restored state back after it.
     rng = torch.get_rng_state()
-    batches = iter(skipped)
-    first = next(batches, _END)
-    torch.set_rng_state(rng)
-    if first is not _END:
-        yield first
-        yield from batches
+    _iterating[dataloader] = skipped
+    try:
+        batches = iter(skipped)
+        first = next(batches, _END)
+        torch.set_rng_state(rng)
+        if first is not _END:
+            yield first
+            yield from batches
+    finally:
+        _iterating.pop(dataloader, None)
     if hasattr(dataloader, "set_epoch"):
         dataloader.set_epoch(epoch + 1)

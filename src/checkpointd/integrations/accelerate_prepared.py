@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PINNED", "Prepared", "prepared"]
+__all__ = ["PINNED", "Prepared", "on_last_batch", "prepared"]
 
 PINNED = "1.15"
 """The accelerate minor release these names are those of."""
@@ -46,3 +46,16 @@ def prepared(accelerator: Any) -> Prepared:
             )
         lists[name] = tuple(getattr(accelerator, private))
     return Prepared(**lists)
+
+
+def on_last_batch(dataloader: Any) -> bool:
+    """True while ``dataloader`` is being iterated and has handed out the last batch of
+    its epoch: accelerate looks one batch ahead and sets ``end_of_dataloader`` before
+    yielding that batch, and its ``GradientState.dataloader_references`` lists the loaders
+    being iterated (the epoch counter, ``iteration``, moves on only after the loop asks
+    for one more batch). False for a loader accelerate did not prepare."""
+    if not getattr(dataloader, "end_of_dataloader", False):
+        return False
+    gradient_state = getattr(dataloader, "gradient_state", None)
+    references = getattr(gradient_state, "dataloader_references", ())
+    return any(ref is dataloader for ref in references)
