@@ -79,14 +79,28 @@ def test_compose_wires_minio_the_bucket_and_the_tools() -> None:
         }
 
 
-def test_dockerfile_installs_cpu_torch_first_then_the_project() -> None:
+def test_dockerfile_installs_cpu_torch_first_then_the_dependencies_then_the_project() -> None:
     steps = dockerfile_instructions()
-    runs = [args for instruction, args in steps if instruction == "RUN"]
+    build_args = dict(a.partition("=")[::2] for kind, a in steps if kind == "ARG")
+    assert build_args["BASE"] == "python:3.11-slim"  # users; the containers tier passes its own
+    assert build_args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    stages = [i for i, (kind, _) in enumerate(steps) if kind == "FROM"]
+    assert [steps[i][1] for i in stages] == ["${BASE} AS requirements", "${BASE}"]
+    final = steps[stages[-1] :]
+    runs = [args for instruction, args in final if instruction == "RUN"]
     torch_step = next(i for i, r in enumerate(runs) if "torch==" in r)
+    deps_step = next(i for i, r in enumerate(runs) if "-r /tmp/requirements.txt" in r)
     project_step = next(i for i, r in enumerate(runs) if "'.[s3]'" in r)
-    assert torch_step < project_step
+    assert torch_step < deps_step < project_step
     assert "pip install torch==2.13.0" in runs[torch_step]
-    assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch_step]
+    assert '--index-url "$TORCH_INDEX_URL"' in runs[torch_step]
+    assert "--no-deps" in runs[project_step]
+    assert ("COPY", "--from=requirements /requirements.txt /tmp/requirements.txt") in final
+    # the build machine's pip settings are build arguments, never the image's environment
+    env = " ".join(args for instruction, args in steps if instruction == "ENV")
+    for name in ("PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
+        assert name in build_args
+        assert name not in env
     copied = [src for kind, args in steps if kind == "COPY" for src in args.split()[:-1]]
     for source in ("pyproject.toml", "README.md", "src"):
         assert source in copied
@@ -94,6 +108,28 @@ def test_dockerfile_installs_cpu_torch_first_then_the_project() -> None:
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
     assert "**" in ignore
     assert {"!pyproject.toml", "!README.md", "!src/**"} <= set(ignore)
+
+
+def test_dockerfile_requirements_stage_lists_what_pyproject_requires(tmp_path: Path) -> None:
+    steps = dockerfile_instructions()
+    stages = [i for i, (kind, _) in enumerate(steps) if kind == "FROM"]
+    first_stage = steps[stages[0] : stages[1]]
+    (command,) = [args for kind, args in first_stage if kind == "RUN"]
+    # the stage's python3 reads /pyproject.toml: here, the repository's
+    script = command.replace("/pyproject.toml", str(DOCKER.parent / "pyproject.toml"))
+    script = script.replace("python3", sys.executable, 1).replace("/requirements.txt", "out.txt")
+    done = subprocess.run(
+        ["bash", "-ec", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    listed = (tmp_path / "out.txt").read_text().splitlines()
+    assert {"torch>=2.4", "s3fs>=2024.6"} <= set(listed)
+    assert any(line.startswith("setuptools") for line in listed)  # --no-build-isolation
 
 
 def test_dockerfile_checkpointd_steps_run_outside_docker() -> None:
