@@ -103,3 +103,66 @@ def test_a_damaged_held_copy_fails_as_it_lands_and_the_loaded_state_is_rolled_ba
     assert "['model']" in str(failed.value)
     # what load_state_dict copied (the damaged tensor too) is put back as it was
     assert torch.equal(target.loaded, before)
+
+
+class _Pair(torch.nn.Module):
+    """Two weights of one shape and dtype: both land in place."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.w1 = torch.nn.Parameter(torch.randn(32, 64, generator=generator))
+        self.w2 = torch.nn.Parameter(torch.randn(32, 64, generator=generator))
+
+
+class _HeaderRestored(MemoryStore):
+    """A held copy whose tensor file's header is written back to ``original`` (at
+    ``base`` of ``mapped``) right after a read of it: what was read before is not what
+    is there afterwards."""
+
+    target = ""
+    original = b""
+    base = 0
+    mapped: mmap.mmap | None = None
+
+    def read_into(self, path: str, buffer: memoryview, offset: int = 0) -> None:
+        super().read_into(path, buffer, offset)
+        if path == self.target and offset == 8 and self.mapped is not None:
+            at = self.base + 8
+            self.mapped[at : at + len(self.original)] = self.original
+
+
+def test_a_header_written_into_between_its_read_and_its_check_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The layout a landing is planned on must be the header that is checked: names
+    swapped in memory while the header is read, then swapped back before the file is
+    checked as it lands, would put each weight's bytes in the other weight."""
+    root = tmp_path / "root"
+    with checkpointd.CheckpointWriter(str(root)) as writer:
+        writer.save(1, {"model": _Pair(seed=0)}).result(30)
+    folder = root / step_dirname(1)
+    files = sorted(p for p in folder.iterdir() if p.name != MANIFEST_NAME)
+    mapped = mmap.mmap(-1, sum(p.stat().st_size for p in files))
+    entries: list[HeldFile] = []
+    at = 0
+    for path in files:
+        data = path.read_bytes()
+        mapped[at : at + len(data)] = data
+        if path.name.endswith(".safetensors"):
+            tensor_file, base = path.name, at
+            length = header_length(data[:8], len(data), where="test")
+            original = data[8 : 8 + length]
+        entries.append(HeldFile(path.name, b"", at, len(data)))
+        at += len(data)
+    assert original.count(b'"w1"') == original.count(b'"w2"') == 1
+    swapped = original.replace(b'"w1"', b'"w?"').replace(b'"w2"', b'"w1"').replace(b'"w?"', b'"w2"')
+    mapped[base + 8 : base + 8 + length] = swapped
+    manifest = (folder / MANIFEST_NAME).read_bytes()
+    store = _HeaderRestored.over(str(root), step_dirname(1), manifest, entries, mapped)
+    store.target, store.base, store.original = f"{step_dirname(1)}/{tensor_file}", base, original
+    store.mapped = mapped
+    target = _Pair(seed=1)
+    with pytest.raises(CorruptCheckpointError, match="header changed after it was read"):
+        restore_from(store, {"model": target}, 1, True)
+    assert mapped[base + 8 : base + 8 + length] == original  # the check saw the header intact

@@ -87,11 +87,8 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
                 piece = piece.clone()
             kept[e.name] = piece.view(e.dtype).view(e.shape)
         return kept
-    offsets: list[int] = []
-    total = 0
-    for e in others:
-        offsets.append(total)
-        total += -(-(e.end - e.begin) // _ALIGN) * _ALIGN
+    offsets = [0, *itertools.accumulate(-(-(e.end - e.begin) // _ALIGN) * _ALIGN for e in others)]
+    total = offsets.pop()
     memory = torch.empty(total, dtype=torch.uint8)
     out = memory.numpy().data.cast("B") if total else memoryview(b"")
     # (file begin, file end, destination) of what is copied out of each chunk, in order.
@@ -135,11 +132,32 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     else:
         reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
     landing.header = bytes(header)
+    if isinstance(pinned, MappedFile):
+        _require_planned_layout(reader, landing)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
         e.name: memory[at : at + e.end - e.begin].view(e.dtype).view(e.shape)
         for e, at in zip(others, offsets, strict=True)
     }
+
+
+def _require_planned_layout(reader: StepReader, landing: Landing) -> None:
+    """CorruptCheckpointError unless the header just copied out of a mapped file (the
+    one ``land_file`` checks) lays the file out as the header read before it did (the
+    one the landing was planned on): the memory may be written into between the two."""
+    from checkpointd.format.header import header_length, parse_safetensors_header
+
+    where, size = f"{reader.where}/{landing.file}", reader.files[landing.file].size
+    header = landing.header
+    length = header_length(header[:8], size, where=where)
+    entries = None
+    if 8 + length == landing.start == len(header):
+        entries = parse_safetensors_header(header[8:], size - landing.start, where=where)
+    if entries is None or sorted(entries, key=lambda e: e.begin) != landing.entries:
+        raise CorruptCheckpointError(
+            f"{where}: the header changed after it was read (the copy in memory was "
+            "written into while it was being restored)"
+        )
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
