@@ -16,7 +16,7 @@ from checkpointd.daemon import protocol as p
 from checkpointd.daemon.snapshot import describe, rebuild
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry
-from checkpointd.format.layout import DIRECT_ALIGN
+from checkpointd.format.layout import DIRECT_ALIGN, SaveLayout
 from checkpointd.ranks.merge import indexed
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot, plan_snapshot
@@ -81,7 +81,7 @@ def test_the_trainers_shard_block_size_travels_with_the_snapshot(
     snapshot, arena = _snapshot()  # made at 16 bytes a block, as save() makes it
     monkeypatch.setattr(tunables, "SHARD_BLOCK_BYTES", 8 * 2**20)  # the service's own
     rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
-    assert rebuilt.shard_block == 16
+    assert rebuilt.layout.shard_block == 16
     entries = plan_snapshot(rebuilt, "tok", world_size=2).components["model"].sharded
     (shard,) = entries["p"].shards
     assert (shard.block_bytes, len(shard.crc32c)) == (16, 3)  # 48 bytes
@@ -98,7 +98,7 @@ def test_the_trainers_direct_io_threshold_travels_with_the_snapshot(
     snapshot, arena = _snapshot()
     monkeypatch.setattr(tunables, "DIRECT_MIN_BYTES", 2**20)  # the service's own
     rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
-    assert rebuilt.direct_min == 1
+    assert rebuilt.layout.direct_min == 1
     files = _files(rebuilt)
     assert files == _files(snapshot)
     for name in ("model.tok.safetensors", "model.tok.rank1.safetensors"):  # tensors, shards
@@ -113,21 +113,44 @@ def test_the_trainers_shard_index_threshold_travels_with_the_snapshot(
     snapshot, arena = _snapshot()
     monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 4096)  # the service's own
     rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
-    assert rebuilt.shard_index_min == 0
+    assert rebuilt.layout.shard_index_min == 0
     assert indexed(plan_snapshot(rebuilt, "tok", world_size=2), 2)
     assert not indexed(plan_snapshot(_snapshot()[0], "tok", world_size=2), 2)  # made at 4096
+
+
+def test_the_trainers_whole_layout_travels_with_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in (("SHARD_BLOCK_BYTES", 16), ("DIRECT_MIN_BYTES", 1)):
+        monkeypatch.setattr(tunables, name, value)
+    for name, value in (("SHARD_INDEX_MIN_ENTRIES", 0), ("INCREMENTAL_MIN_BYTES", 4)):
+        monkeypatch.setattr(tunables, name, value)
+    snapshot, arena = _snapshot()
+    sent = SaveLayout(16, 1, 0, 4)
+    assert snapshot.layout == sent
+    for name in ("SHARD_BLOCK_BYTES", "DIRECT_MIN_BYTES", "SHARD_INDEX_MIN_ENTRIES"):
+        monkeypatch.setattr(tunables, name, 2**20)  # the service's own
+    monkeypatch.setattr(tunables, "INCREMENTAL_MIN_BYTES", 2**20)
+    assert rebuild(_over_the_wire(describe(snapshot)), arena).layout == sent
+    unsent = msgspec.structs.replace(describe(snapshot), layout=None)  # an older client's
+    assert rebuild(_over_the_wire(unsent), arena).layout == SaveLayout.now()
 
 
 def test_more_shard_blocks_than_a_manifest_can_list_is_a_protocol_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     snapshot, arena = _snapshot()
-    desc = msgspec.structs.replace(describe(snapshot), shard_block=1)  # 48 blocks
+    desc = _layout(describe(snapshot), shard_block=1)  # 48 blocks
     monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 64)  # room for 32 CRC32Cs at most
     with pytest.raises(p.ProtocolError, match="48 shard blocks"):
         rebuild(_over_the_wire(desc), arena)
     monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 96)
-    assert rebuild(_over_the_wire(desc), arena).shard_block == 1
+    assert rebuild(_over_the_wire(desc), arena).layout.shard_block == 1
+
+
+def _layout(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
+    assert desc.layout is not None
+    return msgspec.structs.replace(desc, layout=msgspec.structs.replace(desc.layout, **changes))
 
 
 def _component(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
@@ -159,10 +182,11 @@ HOSTILE = {
     "fewer offsets than dimensions": lambda d: _shard(d, 0, offsets=[3]),
     "unknown dtype": lambda d: _shard(d, 1, dtype="F128"),
     "a shard twice": lambda d: _component(d, shards=[d.components[0].shards[0]] * 2),
-    "a shard block of 0 bytes": lambda d: msgspec.structs.replace(d, shard_block=0),
-    "a negative shard block": lambda d: msgspec.structs.replace(d, shard_block=-8),
-    "a negative direct I/O threshold": lambda d: msgspec.structs.replace(d, direct_min=-1),
-    "a negative shard index threshold": lambda d: msgspec.structs.replace(d, shard_index_min=-1),
+    "a shard block of 0 bytes": lambda d: _layout(d, shard_block=0),
+    "a negative shard block": lambda d: _layout(d, shard_block=-8),
+    "a negative direct I/O threshold": lambda d: _layout(d, direct_min=-1),
+    "a negative shard index threshold": lambda d: _layout(d, shard_index_min=-1),
+    "a negative incremental threshold": lambda d: _layout(d, incremental_min=-1),
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from checkpointd.errors import ServiceError
+from checkpointd.format.layout import SaveLayout
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.ranks.hosted import HostedGroup
 
@@ -156,15 +157,9 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_rank: dict[str, str] = msgspec.field(default_factory=dict)
     attempt: int = 0
     rank: int = 0
-    shard_block: int | None = None
-    """Bytes per CRC32C block of a shard (the trainer's ``tunables.SHARD_BLOCK_BYTES`` at
-    ``save()``); None: the service's."""
-    direct_min: int | None = None
-    """The data region size from which a tensor file's data starts aligned for direct
-    I/O (the trainer's ``tunables.DIRECT_MIN_BYTES``); None: the service's."""
-    shard_index_min: int | None = None
-    """The shard entries from which a many-rank save keeps them in index files (the
-    trainer's ``tunables.SHARD_INDEX_MIN_ENTRIES``); None: the service's."""
+    layout: SaveLayout | None = None
+    """The tunables that decide the save's files, the trainer's at ``save()`` (shard
+    block, direct I/O, shard index and incremental thresholds); None: the service's."""
 
 
 class Submit(_Msg):

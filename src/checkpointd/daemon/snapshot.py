@@ -3,7 +3,8 @@ the service rebuilds the very ``plan.Snapshot`` an in-process save would write.
 
 The trees travel encoded (``codec.encode_tree``) and come back as ``msgspec.Raw``,
 which the plan's ``encode_tree`` writes out byte for byte: the files are the same
-as an in-process save's. Every offset, size and name is checked against the
+as an in-process save's, planned with the trainer's tunables (its ``SaveLayout``),
+not the service's. Every offset, size and name is checked against the
 segment before the service trusts it (held.py: what the memory tier keeps of a
 committed save). Imports torch.
 """
@@ -20,9 +21,7 @@ from checkpointd.errors import CheckpointError, InvalidArgumentError, Unsupporte
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
 from checkpointd.format.header import TensorEntry
-from checkpointd.format.layout import (
-    check_component_name,
-)
+from checkpointd.format.layout import SaveLayout, check_component_name
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot
 
@@ -78,9 +77,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         per_rank=snapshot.per_rank,
         attempt=snapshot.attempt,
         rank=snapshot.rank,
-        shard_block=snapshot.shard_block,
-        direct_min=snapshot.direct_min,
-        shard_index_min=snapshot.shard_index_min,
+        layout=snapshot.layout,
     )
 
 
@@ -125,11 +122,10 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
                 comp.shard_nbytes,
             )
         )
-    block = tunables.SHARD_BLOCK_BYTES if desc.shard_block is None else desc.shard_block
-    _check_block(block, components)
-    direct_min = _threshold(desc.direct_min, tunables.DIRECT_MIN_BYTES, "direct I/O")
-    index_min = _threshold(desc.shard_index_min, tunables.SHARD_INDEX_MIN_ENTRIES, "shard index")
+    layout = SaveLayout.now() if desc.layout is None else desc.layout
     try:
+        layout.check()
+        _check_block(layout.shard_block, components)
         return Snapshot(
             desc.step,
             components,
@@ -141,28 +137,15 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
             per_rank=dict(desc.per_rank),
             attempt=desc.attempt,
             rank=desc.rank,
-            shard_block=block,
-            direct_min=direct_min,
-            shard_index_min=index_min,
+            layout=layout,
         )
     except InvalidArgumentError as exc:
         raise ProtocolError(str(exc)) from None
 
 
-def _threshold(sent: int | None, own: int, what: str) -> int:
-    """The trainer's tunable ``sent`` with its snapshot, else the service's ``own``;
-    ProtocolError if negative."""
-    value = own if sent is None else sent
-    if value < 0:
-        raise ProtocolError(f"{what} threshold {value} is negative")
-    return value
-
-
 def _check_block(block: int, components: list[CapturedComponent]) -> None:
-    """A shard block size of at least one byte, whose block CRC32Cs (two bytes each at
-    the least) fit the manifest or shard index no reader refuses."""
-    if block < 1:
-        raise ProtocolError(f"shard block size {block} is not positive")
+    """A shard block size (at least one byte: SaveLayout.check) whose block CRC32Cs (two
+    bytes each at the least) fit the manifest or shard index no reader refuses."""
     blocks = sum(-(-(e.end - e.begin) // block) for c in components for e in c.shard_entries)
     if blocks > tunables.MAX_MANIFEST_BYTES // 2:
         raise ProtocolError(

@@ -1,4 +1,5 @@
-"""Where things are in a root: step folders, file names, name rules, alignment.
+"""Where things are in a root: step folders, file names, name rules, alignment, and
+the tunable part of a save's layout (SaveLayout, which travels with a snapshot).
 
 The one home of the naming conventions of docs/format.md ("Component names and
 file names", "Storage layout"): writers, readers, the catalog and gc all use
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import re
 
-from checkpointd.errors import UnsupportedValueError
+import msgspec
+
+from checkpointd import tunables
+from checkpointd.errors import InvalidArgumentError, UnsupportedValueError
 
 __all__ = [
     "BLOBS_DIR",
@@ -21,6 +25,7 @@ __all__ = [
     "PINS_DIR",
     "REGION_ALIGN",
     "TEMP_MARKER",
+    "SaveLayout",
     "blob_path",
     "check_component_name",
     "is_blob_name",
@@ -151,3 +156,48 @@ their data regions can be written with direct I/O."""
 HEADER_ALIGN = 8
 """A safetensors header is padded so the data region starts at a multiple of this;
 data regions of DIRECT_MIN_BYTES or more are padded to DIRECT_ALIGN instead."""
+
+
+# --- the tunable part of a save's layout ----------------------------------------
+
+
+class SaveLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The tunables that decide which files a save writes and how they are laid out,
+    read once in the process that calls ``save()`` (``SaveLayout.now()``) and kept with
+    its snapshot: the checkpoint service plans with the trainer's values, not its own,
+    so a save through it writes the files an in-process save would."""
+
+    shard_block: int
+    """Bytes per CRC32C block of each shard (``tunables.SHARD_BLOCK_BYTES``)."""
+    direct_min: int
+    """A tensor file's data region of this many bytes or more starts DIRECT_ALIGN-aligned
+    (``tunables.DIRECT_MIN_BYTES``)."""
+    shard_index_min: int
+    """A many-rank save whose manifest would list this many shard entries or more keeps
+    them in index files (``tunables.SHARD_INDEX_MIN_ENTRIES``)."""
+    incremental_min: int
+    """An incremental save stores tensors (and shards) of this many bytes or more as
+    shared blobs (``tunables.INCREMENTAL_MIN_BYTES``; 0 counts as 1)."""
+
+    @classmethod
+    def now(cls) -> SaveLayout:
+        """The tunables as they are now (any thread)."""
+        return cls(
+            tunables.SHARD_BLOCK_BYTES,
+            tunables.DIRECT_MIN_BYTES,
+            tunables.SHARD_INDEX_MIN_ENTRIES,
+            tunables.INCREMENTAL_MIN_BYTES,
+        )
+
+    def check(self) -> None:
+        """InvalidArgumentError unless the shard block is positive and no threshold is
+        negative (the service checks a layout a client sent with this)."""
+        if self.shard_block < 1:
+            raise InvalidArgumentError(f"shard block size {self.shard_block} is not positive")
+        for what, value in (
+            ("direct I/O", self.direct_min),
+            ("shard index", self.shard_index_min),
+            ("incremental", self.incremental_min),
+        ):
+            if value < 0:
+                raise InvalidArgumentError(f"{what} threshold {value} is negative")

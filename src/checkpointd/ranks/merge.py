@@ -99,7 +99,7 @@ def indexed(plan: SavePlan, world_size: int) -> bool:
     """Whether this save's ranks store their shard entries in index files (the same
     answer on every rank of a save whose ranks agree on its DTensors)."""
     count = sum(len(e.sharded) for n, e in plan.components.items() if n not in plan.per_rank)
-    return uses_indexes(world_size, count, plan.shard_index_min)
+    return uses_indexes(world_size, count, plan.layout.shard_index_min)
 
 
 def shard_index(

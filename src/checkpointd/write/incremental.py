@@ -8,8 +8,10 @@ thread (format/digest.py); choose to reference the blob of a tensor whose hash
 names one of those blobs and to write every other to ``blobs/NAME``; plan the
 save with those choices (plan.plan_snapshot) and make it durable like any save
 (the writer's commit, which writes the new blobs and checks that every blob it
-lists is still stored before the publish); then drop the pin. Tensors under ``tunables.INCREMENTAL_MIN_BYTES`` stay in the
-step's tensor file. docs/format.md ("Shared tensor data") is the spec.
+lists is still stored before the publish); then drop the pin. Tensors under
+``tunables.INCREMENTAL_MIN_BYTES`` (as it was at ``save()``, in the trainer: the
+snapshot's ``layout``) stay in the step's tensor file. docs/format.md ("Shared tensor
+data") is the spec.
 
 A tensor that the last save found unchanged (a frozen base weight) is hashed on
 the caller's thread at the next capture instead of copied (``prehash``): hashing
@@ -41,7 +43,6 @@ import anyio
 import msgspec
 import torch
 
-from checkpointd import tunables
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.format.digest import blob_name
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
@@ -365,10 +366,11 @@ def _size(entry: TensorEntry) -> int:
 def _large(
     snapshot: Snapshot, component: CapturedComponent
 ) -> Iterator[tuple[TensorEntry, memoryview, bool]]:
-    """The tensors of ``component`` stored as blobs (at least INCREMENTAL_MIN_BYTES) that
+    """The tensors of ``component`` stored as blobs (at least the snapshot's
+    ``layout.incremental_min`` bytes: the saving trainer's INCREMENTAL_MIN_BYTES) that
     capture copied, then this rank's shards of its DTensors of that size: (entry, its
     bytes in the snapshot, whether it is a whole tensor)."""
-    least = max(1, tunables.INCREMENTAL_MIN_BYTES)
+    least = max(1, snapshot.layout.incremental_min)
     for entry in component.entries:
         if _size(entry) >= least and entry.name not in component.blobs:
             yield entry, snapshot.buffer.view(component.offset + entry.begin, _size(entry)), True

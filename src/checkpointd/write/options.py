@@ -85,7 +85,8 @@ class WriterOptions:
     ``tunables.JOIN_SECONDS``): how long the ranks wait for a live rank that has not
     made the same writer, or called ``save()`` for the same step, before failing.
 
-    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` whose bytes
+    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` (its value at
+    ``save()`` in this process, also through the service) whose bytes
     equal one of the writer's previous committed checkpoint is not written again: the
     manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
     incremental.py and docs/format.md). Every checkpoint still loads whole on its own;

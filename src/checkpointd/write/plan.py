@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from checkpointd import tunables
 from checkpointd.format.checksum import BytesLike, crc32c
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import encode_dtype
@@ -29,6 +28,7 @@ from checkpointd.format.header import TensorEntry, encode_safetensors_header
 from checkpointd.format.layout import (
     DIRECT_ALIGN,
     HEADER_ALIGN,
+    SaveLayout,
     shard_file_name,
     tensor_file_name,
     tree_file_name,
@@ -71,15 +71,9 @@ class Snapshot:
     """Components that hold this rank's own state -> the per-rank component's name."""
     rank: int = 0
     """This process's rank in the group that saves (0 alone); names its shard files."""
-    shard_block: int = field(default_factory=lambda: tunables.SHARD_BLOCK_BYTES)
-    """Bytes per CRC32C block of each shard (``tunables.SHARD_BLOCK_BYTES`` when the
-    snapshot is made, at ``save()``; the service plans with the trainer's)."""
-    direct_min: int = field(default_factory=lambda: tunables.DIRECT_MIN_BYTES)
-    """A tensor file's data region of this many bytes or more starts DIRECT_ALIGN-aligned
-    (``tunables.DIRECT_MIN_BYTES`` at ``save()``, as ``shard_block``)."""
-    shard_index_min: int = field(default_factory=lambda: tunables.SHARD_INDEX_MIN_ENTRIES)
-    """A many-rank save whose manifest would list this many shard entries or more keeps
-    them in index files (``tunables.SHARD_INDEX_MIN_ENTRIES`` at ``save()``)."""
+    layout: SaveLayout = field(default_factory=SaveLayout.now)
+    """The tunables that decide its files, as they were when the snapshot was made, at
+    ``save()`` (the service plans with the trainer's)."""
 
 
 @dataclass(slots=True)
@@ -112,8 +106,8 @@ class SavePlan:
     specs: dict[str, SpecEntry] = field(default_factory=dict)
     per_rank: dict[str, str] = field(default_factory=dict)
     """As ``Snapshot.per_rank``: these components are this rank's alone."""
-    shard_index_min: int = field(default_factory=lambda: tunables.SHARD_INDEX_MIN_ENTRIES)
-    """As ``Snapshot.shard_index_min`` (``ranks/merge.indexed``)."""
+    layout: SaveLayout = field(default_factory=SaveLayout.now)
+    """As ``Snapshot.layout`` (``ranks/merge.indexed`` reads its ``shard_index_min``)."""
 
     @classmethod
     def of(
@@ -130,7 +124,7 @@ class SavePlan:
             metadata=snapshot.metadata,
             specs=snapshot.specs,
             per_rank=snapshot.per_rank,
-            shard_index_min=snapshot.shard_index_min,
+            layout=snapshot.layout,
         )
 
     def mine(self, rank: int) -> list[PlannedFile]:
@@ -150,8 +144,8 @@ def plan_snapshot(
     tree file, a tensor file if it has tensors not stored as ``blobs``, this rank's
     shard file if it holds shards; then the blobs to write or keep.
 
-    A data region of ``snapshot.direct_min`` bytes or more starts DIRECT_ALIGN-aligned in its
-    file, so it can be written with direct I/O. Any thread; off the event loop for a
+    A data region of ``snapshot.layout.direct_min`` bytes or more starts DIRECT_ALIGN-aligned
+    in its file, so it can be written with direct I/O. Any thread; off the event loop for a
     large state (shard block CRC32Cs are computed here).
     """
     token = secrets.token_hex(4) if token is None else token
@@ -197,7 +191,7 @@ def _tensor_parts(
 ) -> list[BytesLike] | None:
     """The parts of ``component``'s tensor file (header, then data), leaving out the
     tensors stored as blobs (``refs``); None if no tensor is left."""
-    buffer, direct_min = snapshot.buffer, snapshot.direct_min
+    buffer, direct_min = snapshot.buffer, snapshot.layout.direct_min
     if not refs:
         if not component.entries:
             return None
@@ -248,7 +242,7 @@ def _plan_shards(
         size = entry.end - entry.begin
         entries.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
         position += size
-    header = _header(entries, position, snapshot.direct_min) if entries else b""
+    header = _header(entries, position, snapshot.layout.direct_min) if entries else b""
     begins = {entry.name: len(header) + entry.begin for entry in entries}
     by_name = {s.name: s for s in component.shards}
     for entry in component.shard_entries:
@@ -260,8 +254,8 @@ def _plan_shards(
                 list(shard.offsets),
                 list(shard.local_shape),
                 begins.get(entry.name, 0),
-                snapshot.shard_block,
-                _blocks(data[entry.begin : entry.end], snapshot.shard_block),
+                snapshot.layout.shard_block,
+                _blocks(data[entry.begin : entry.end], snapshot.layout.shard_block),
                 blob,
             )
         )
