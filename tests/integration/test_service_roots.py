@@ -170,3 +170,26 @@ def test_the_demo_through_a_service_resumes_in_its_own_folder(
     assert "starting fresh" in outs[0]
     assert f"resumed from step 4 at {here / 'ckpt' / f'{4:012d}'} from memory" in outs[1]
     assert not (there / "ckpt").exists()
+
+
+def test_a_trainers_default_root_under_a_relative_output_dir_is_its_own(
+    served_elsewhere: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    from checkpointd.integrations.transformers import CheckpointdTrainer
+    from tests.support import transformers_job
+
+    socket, there = served_elsewhere
+    here = _here(tmp_path, "y")
+    monkeypatch.chdir(here)
+    trainer = CheckpointdTrainer(
+        model=transformers_job.model(),
+        args=transformers_job.arguments("out", max_steps=4),  # saves at step 4
+        train_dataset=transformers_job.Tokens(),
+        checkpointd_options={"service": socket},
+    )
+    monkeypatch.chdir(there)  # the process moves on: its root does not
+    trainer.train()
+    assert trainer.checkpointd_root == str(here / "out" / "checkpointd")
+    assert [c.step for c in checkpointd.list_checkpoints(str(here / "out" / "checkpointd"))] == [4]
+    assert not (there / "out" / "checkpointd").exists()
