@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.daemon.memtier import root_key
+from checkpointd.daemon.memtier import RootKey, root_key
 from checkpointd.daemon.protocol import ProtocolError
 from checkpointd.storage import fixed_root, resolve_root
 
@@ -54,5 +54,5 @@ def test_the_memory_tiers_key_refuses_relative_roots_and_joins_spellings(tmp_pat
         with pytest.raises(ProtocolError, match="is not absolute"):
             root_key(relative, None)
     keys = {root_key(r, None) for r in (f"{tmp_path}/real", f"file://{tmp_path}/link/")}
-    assert keys == {f"{tmp_path}/real {{}}"}
-    assert root_key("s3://b/p/", {"anon": True}) == 's3://b/p {"anon":true}'
+    assert keys == {RootKey(f"{tmp_path}/real", "{}")}
+    assert root_key("s3://b/p/", {"anon": True}) == RootKey("s3://b/p", '{"anon":true}')
