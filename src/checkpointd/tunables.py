@@ -13,19 +13,26 @@ __all__ = [
     "BOUNCE_BYTES",
     "BOUNCE_CPU_TARGETS",
     "CHUNK_BYTES",
+    "CLIENT_CONNECTIONS",
+    "CLIENT_SEGMENTS",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_PENDING",
     "DIRECT_MIN_BYTES",
     "FILE_READ_THREADS",
+    "FRAME_BUFFER_BYTES",
+    "FRAME_SECONDS",
     "GC_OLDER_THAN",
     "GRACE_SECONDS",
     "HEARTBEAT_SECONDS",
     "INCREMENTAL_MIN_BYTES",
     "JOIN_SECONDS",
+    "MAX_FRAME_DEPTH",
+    "MAX_FRAME_ITEMS",
     "MAX_HEADER_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
+    "MAX_REQUEST_BYTES",
     "MAX_TREE_DEPTH",
     "POLL_SECONDS",
     "READ_CHUNK_BYTES",
@@ -34,9 +41,12 @@ __all__ = [
     "S3_PART_BYTES",
     "S3_READ_PARALLEL",
     "S3_READ_PART_BYTES",
+    "SERVICE_CONNECTIONS",
+    "SERVICE_SEGMENTS",
     "SHARD_BLOCK_BYTES",
     "SHARD_INDEX_MIN_ENTRIES",
     "SHM_HUGE_PAGES",
+    "SMALL_FRAME_BYTES",
     "STALE_SECONDS",
     "STORE_VALUE_BYTES",
     "WAIT_SECONDS",
@@ -194,3 +204,57 @@ pages. The price, on a host whose THP ``defrag`` is ``madvise`` (the default) an
 whose memory is fragmented, is a one-off stall while the kernel compacts memory for a
 new segment (about 1 s per 600 MB, measured once on the README's VM); segments are
 reused from save to save, so it is paid when one is first made."""
+
+MAX_REQUEST_BYTES = 1 << 20
+"""Largest frame of a request other than ``Submit`` (``OpenWriter``, ``Alloc``,
+``Lookup``...), refused from its first bytes, before the rest is read. The largest real
+one is an ``OpenWriter`` of a many-rank job (its group's global ranks, 5 bytes each: a
+200,000-rank job). Only a ``Submit`` (a snapshot's description) may reach
+``protocol.MAX_FRAME``."""
+
+MAX_FRAME_ITEMS = 1 << 20
+"""Most msgpack objects (every key, value and element) one frame the service reads may
+hold, counted by a scan before msgspec decodes it. msgspec holds the GIL for a whole
+decode: 60 M empty arrays took 19 s and 4.4 GB, stalling every client and the
+heartbeats of many-rank saves. A million decode in about 0.2 s and 75 MB at worst; a
+real ``Submit`` of 3,000 tensors holds about 50,000."""
+
+MAX_FRAME_DEPTH = 128
+"""Deepest nesting of containers in a frame the service reads: a ``Submit``'s metadata
+sits 3 levels down and may nest ``MAX_JSON_DEPTH`` more. Without a bound, 5,000 nested
+arrays (5 KB) made msgspec raise RecursionError."""
+
+SMALL_FRAME_BYTES = 64 * 2**10
+"""Frames up to this size are scanned and decoded on the service's event loop and take
+nothing from ``FRAME_BUFFER_BYTES`` (each connection reads at most one frame at a time,
+so they are bounded by ``SERVICE_CONNECTIONS``); larger ones reserve their length from it
+first and are scanned and decoded on a worker thread, one at a time."""
+
+FRAME_BUFFER_BYTES = 128 * 2**20
+"""Bytes of large frames (over ``SMALL_FRAME_BYTES``) the service buffers at once over
+every connection, outside ``--memory-limit`` (which bounds shared memory): two frames of
+``protocol.MAX_FRAME``. A frame that would pass it waits (within ``FRAME_SECONDS``)
+until others are decoded or their senders cut off."""
+
+FRAME_SECONDS = 30.0
+"""How long the rest of a frame (and its wait for ``FRAME_BUFFER_BYTES``) may take once
+its length arrived, on the service's side: a slower sender is cut off, its bytes freed."""
+
+SERVICE_CONNECTIONS = 1024
+"""Most connections the service serves at once; at most a quarter of its file
+descriptor limit (raised to the hard limit at start), the rest left to segments and
+storage. Beyond it a connection gets an error and is closed."""
+
+CLIENT_CONNECTIONS = 64
+"""Most connections one client process (by its pid) holds at once: a trainer opens one
+per writer and one per restore; more is a leak or an attack on the others' share."""
+
+SERVICE_SEGMENTS = 16384
+"""Most shared-memory segments the service holds at once (each is a file descriptor and a
+mapping, and the kernel allows 65,530 mappings a process by default); at most half its
+file descriptor limit. An allocation past it waits like one past ``--memory-limit``."""
+
+CLIENT_SEGMENTS = 256
+"""Most segments one client process holds at once, allocated and not yet submitted or in
+its writers' saves in flight (a writer has at most 64 saves pending). Each segment counts
+at least a page against ``--memory-limit`` too."""

@@ -53,4 +53,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     for root, steps in kept.items():
         print(f"kept in memory: {root}: steps {', '.join(map(str, steps))}")
+    if reply.refused:
+        print("refused: " + ", ".join(f"{n} {kind}" for kind, n in sorted(reply.refused.items())))
     return 0

@@ -20,15 +20,19 @@ from .shm import MappedSegment
 __all__ = ["Conn"]
 
 
-@dataclass
+@dataclass(eq=False)  # one connection is equal to itself only (kept in sets)
 class Conn:
     stream: SocketStream
+    pid: int = 0
+    """The client process (SO_PEERCRED) at connection time."""
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     open: bool = True
     owned: dict[int, MappedSegment] = field(default_factory=dict)
     borrowed: list[MappedSegment] = field(default_factory=list)
     tasks: TaskGroup | None = None
     """Its requests that may wait (``Alloc``), cancelled when the connection ends."""
+    asking: int = 0
+    """Its ``Alloc`` requests not answered yet (admission.py counts them as its segments)."""
 
     async def send(self, message: p.Message, fds: list[int] | None = None) -> None:
         """Send one frame (and ``fds``); a client gone is marked closed, never raised."""

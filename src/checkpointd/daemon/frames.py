@@ -1,7 +1,8 @@
 """Frames of the service's protocol on a socket: sending one (with file descriptors
 beside it, as SCM_RIGHTS, only from the service to a client), reading them from a
 blocking socket (the client's side) or an anyio stream (the service's side, where a
-frame's body must follow its length within ``FRAME_SECONDS``). No torch here.
+frame's body must follow its length within ``tunables.FRAME_SECONDS``, and what it may
+cost is bounded by bounds.py). No torch here.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import os
 import socket
 
 import anyio
+import anyio.to_thread
 from anyio.abc import ByteReceiveStream
 
+from checkpointd import tunables
+
+from .bounds import SUBMIT_HEAD, FrameBudget, check_structure, request_limit
 from .protocol import MAX_FRAME, PREFIX, Message, ProtocolError, decode, encode
 
-__all__ = ["FRAME_SECONDS", "FrameReader", "body_length", "os_close", "read_async", "send_frame"]
-
-FRAME_SECONDS = 30.0
-"""How long the rest of a frame may take once its length arrived (service side)."""
+__all__ = ["FrameReader", "body_length", "os_close", "read_async", "send_frame"]
 
 
 def body_length(prefix: bytes) -> int:
@@ -89,15 +91,21 @@ def os_close(fd: int) -> None:
         os.close(fd)
 
 
-async def read_async(stream: ByteReceiveStream, buffer: bytearray) -> Message | None:
+async def read_async(
+    stream: ByteReceiveStream, buffer: bytearray, budget: FrameBudget
+) -> Message | None:
     """The next frame's message from an anyio stream (the service's side), None at a
-    clean end; ProtocolError otherwise (a frame's body must arrive within
-    FRAME_SECONDS of its length)."""
+    clean end; ProtocolError otherwise: a frame over its kind's limit
+    (``bounds.request_limit``, told from its first bytes), one whose body does not arrive
+    within FRAME_SECONDS of its length, one past ``bounds.check_structure``. A frame over
+    SMALL_FRAME_BYTES holds its length of ``budget`` while it is buffered and is checked
+    and decoded on a worker thread, one at a time. Event loop."""
 
     async def fill(count: int) -> bool:
         while len(buffer) < count:
+            want = min(1 << 20, max(count - len(buffer), 1 << 16))  # little past this frame
             try:
-                buffer.extend(await stream.receive(1 << 20))
+                buffer.extend(await stream.receive(want))
             except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return False
         return True
@@ -107,12 +115,40 @@ async def read_async(stream: ByteReceiveStream, buffer: bytearray) -> Message | 
             raise ProtocolError("the stream ended inside a frame's length prefix")
         return None
     length = body_length(bytes(buffer[:4]))
-    with anyio.move_on_after(FRAME_SECONDS) as scope:
-        complete = await fill(4 + length)
-    if scope.cancelled_caught:
-        raise ProtocolError(f"a frame's body did not arrive within {FRAME_SECONDS}s")
-    if not complete:
-        raise ProtocolError("the stream ended inside a frame")
-    body = bytes(buffer[4 : 4 + length])
+    large = length > tunables.SMALL_FRAME_BYTES
+    reserved = 0
+    try:
+        with anyio.move_on_after(tunables.FRAME_SECONDS) as scope:
+            complete = await fill(4 + min(length, len(SUBMIT_HEAD)))
+            limit = request_limit(bytes(buffer[4 : 4 + len(SUBMIT_HEAD)]))
+            if complete and length > limit:
+                raise ProtocolError(
+                    f"a frame of {length} bytes announced; the limit is {limit} for any "
+                    "request but a Submit"
+                )
+            if complete and large:
+                await budget.reserve(length)
+                reserved = length
+            complete = complete and await fill(4 + length)
+        if scope.cancelled_caught:
+            raise ProtocolError(f"a frame's body did not arrive within {tunables.FRAME_SECONDS}s")
+        if not complete:
+            raise ProtocolError("the stream ended inside a frame")
+        if large:
+            async with budget.decoding:
+                message = await anyio.to_thread.run_sync(_take, buffer, length)
+        else:
+            message = _take(buffer, length)
+    finally:
+        if reserved:
+            budget.release(reserved)
     del buffer[: 4 + length]
-    return decode(body)
+    return message
+
+
+def _take(buffer: bytearray, length: int) -> Message:
+    """The message of the frame at the start of ``buffer`` (``length`` bytes after its
+    prefix), its structure bounded first. Any thread."""
+    with memoryview(buffer) as view, view[4 : 4 + length] as body:
+        check_structure(body)
+        return decode(body)

@@ -22,7 +22,7 @@ import anyio
 from checkpointd.errors import ServiceMemoryError
 
 from .protocol import ProtocolError
-from .shm import MappedSegment, reusable
+from .shm import MappedSegment, paged, reusable
 
 __all__ = ["SharedMemory"]
 
@@ -44,12 +44,20 @@ class SharedMemory:
         self._ids = itertools.count(1)
         self._freed = anyio.Event()
         self._creating = 0  # bytes of segments being made on a worker thread
+        self._making = 0  # and how many
+        self.max_segments = 1 << 14
+        """Most segments held at once (each a file descriptor and a mapping; admission.py)."""
 
     @property
     def held(self) -> int:
         """Every byte of shared memory held: staged, kept, lent, the spares and the
         segments being made."""
         return sum(s.capacity for s in self.segments.values()) + self.spare + self._creating
+
+    @property
+    def _count(self) -> int:
+        """Segments held, spare or being made."""
+        return len(self.segments) + len(self._spares) + self._making
 
     @property
     def spare(self) -> int:
@@ -117,7 +125,7 @@ class SharedMemory:
         limit = self.limit
         if nbytes < 0:
             raise ProtocolError(f"a segment of {nbytes} bytes was asked for")
-        if limit is not None and nbytes > limit:
+        if limit is not None and paged(nbytes) > limit:
             raise ServiceMemoryError(
                 f"this save needs {nbytes} bytes of shared memory; the service's "
                 f"--memory-limit is {limit}: it can never fit (raise the limit)"
@@ -143,17 +151,20 @@ class SharedMemory:
             segment = spare.reuse(next(self._ids), nbytes)
             self.segments[segment.ident] = segment
             return segment
-        while limit is not None and self.held + nbytes > limit:
+        size = paged(nbytes)  # a 1-byte segment costs a page and a descriptor
+        while (limit is not None and self.held + size > limit) or self._count >= self.max_segments:
             if not (self.drop_spare() or self.evict()):
                 await self.wait()  # a save in flight resolves, a client frees or gives back
         # Populating a segment takes up to a second per GB (4 KiB pages, or a host that
         # backs guest memory lazily): on a worker thread, so other clients are served
         # meanwhile, its bytes counted as held from now on.
-        self._creating += nbytes
+        self._creating += size
+        self._making += 1
         try:
             segment = await anyio.to_thread.run_sync(MappedSegment, next(self._ids), nbytes)
         finally:
-            self._creating -= nbytes
+            self._creating -= size
+            self._making -= 1
         self.segments[segment.ident] = segment
         return segment
 

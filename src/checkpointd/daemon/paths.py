@@ -24,6 +24,7 @@ __all__ = [
     "default_socket",
     "lock_or_fail",
     "parse_size",
+    "peer_credentials",
     "peer_uid",
     "prepare_folder",
     "remove_stale",
@@ -77,9 +78,15 @@ def prepare_folder(socket_path: str) -> str:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    return peer_credentials(sock)[1]
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a connected Unix socket, as
+    they were when it connected (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 def parse_size(text: str) -> int:

@@ -255,6 +255,10 @@ class StatusReply(_Msg):
     clients: int
     committed: int
     failed: int
+    refused: dict[str, int] = msgspec.field(default_factory=dict)
+    """What the service refused since it started, by kind: ``connections`` (past a cap),
+    ``descriptors`` (none left to accept one), ``segments`` (past a client's cap),
+    ``frames`` (a frame too large, too deep, too slow or malformed)."""
 
 
 class Committed(_Msg):
@@ -328,3 +332,5 @@ def decode(body: bytes | memoryview) -> Message:
         return _DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"not a message of the checkpointd service protocol: {exc}") from None
+    except RecursionError:  # the service bounds depth first (bounds.py); a client may not
+        raise ProtocolError("a message nested too deeply to decode") from None

@@ -26,15 +26,17 @@ import time
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
-from checkpointd import errors
+from checkpointd import errors, tunables
 from checkpointd.errors import CheckpointError
 
 from . import protocol as p
+from .admission import Admission, accept_loop, descriptor_limit
+from .bounds import FrameBudget
 from .conn import Conn
 from .frames import read_async
 from .memory import SharedMemory
 from .memtier import MemoryTier, root_key
-from .paths import lock_or_fail, peer_uid, prepare_folder, remove_stale
+from .paths import lock_or_fail, peer_credentials, prepare_folder, remove_stale
 from .saves import Saves
 from .shm import huge_pages_mode, readonly_fd
 
@@ -62,6 +64,9 @@ class Server:
         self.memory.evict = self.tier.evict_oldest
         self.saves: Saves | None = None
         self.clients = 0
+        self.admission = Admission(descriptor_limit())
+        self.memory.max_segments = self.admission.max_segments
+        self.frames = FrameBudget(tunables.FRAME_BUFFER_BYTES)
         self._quiet_since = time.monotonic()
 
     # -- the process ------------------------------------------------------------
@@ -85,7 +90,7 @@ class Server:
                 self.memory.spares_wanted = lambda: len(saves.writers)
                 with anyio.CancelScope() as listening:
                     group.start_soon(self._watch, listening)
-                    await listener.serve(self._connection, task_group=group)
+                    await accept_loop(listener, self._connection, group, self.admission.refused)
                 await listener.aclose()
                 await self.saves.drain()
                 group.cancel_scope.cancel()
@@ -123,15 +128,29 @@ class Server:
         listening.cancel()
 
     async def _connection(self, stream: SocketStream) -> None:
-        conn = Conn(stream)
+        """Serve one connection; whatever fails in it ends it alone (logged)."""
+        try:
+            await self._connected(stream)
+        except Exception:
+            _log.exception("a connection failed; it is closed, the service goes on")
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _connected(self, stream: SocketStream) -> None:
         raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         try:
-            uid = peer_uid(raw)
+            pid, uid = peer_credentials(raw)
         except OSError:
-            uid = -1
+            pid, uid = 0, -1
+        conn = Conn(stream, pid)
         if uid != os.getuid():
             _log.warning("refused a connection from uid %d", uid)
             await conn.send(p.Error(0, "ServiceError", "this service serves its own user only"))
+            await stream.aclose()
+            return
+        if (refusal := self.admission.admit(conn)) is not None:
+            _log.warning("refused a connection: %s", refusal)
+            await conn.send(p.Error(0, "ServiceError", refusal))
             await stream.aclose()
             return
         self.clients += 1
@@ -150,6 +169,7 @@ class Server:
             assert self.saves is not None
             self.saves.client_gone(conn)
             self.clients -= 1
+            self.admission.leave(conn)
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
@@ -158,8 +178,10 @@ class Server:
         buffer = bytearray()
         while True:
             try:
-                message = await read_async(conn.stream, buffer)
+                message = await read_async(conn.stream, buffer, self.frames)
             except p.ProtocolError as exc:
+                self.admission.refused["frames"] += 1
+                _log.warning("a client's frame was refused: %s", exc)
                 await conn.send(p.Error(0, "ProtocolError", str(exc)))
                 return
             if message is None:
@@ -187,8 +209,12 @@ class Server:
                 await conn.send(p.WriterOpened(message.id, writer.ident))
             case p.Alloc(nbytes=nbytes):
                 self.memory.check(nbytes)  # one that can never fit is refused in order
+                self.admission.check_segment(
+                    conn, ((w.conn, w.pending) for w in saves.writers.values())
+                )
                 assert conn.tasks is not None
-                conn.tasks.start_soon(self._allocate, conn, message)
+                conn.asking += 1
+                conn.tasks.start_soon(self._asked, conn, message)
             case p.Free(id=ident, segment=number):
                 if (freed := conn.owned.pop(number, None)) is not None:
                     self.memory.release(freed)
@@ -201,6 +227,13 @@ class Server:
                 await conn.send(self.status(ident))
             case _:
                 raise p.ProtocolError(f"a {type(message).__name__} is not a request")
+
+    async def _asked(self, conn: Conn, message: p.Alloc) -> None:
+        """``_allocate``; ``conn.asking`` counts it until answered."""
+        try:
+            await self._allocate(conn, message)
+        finally:
+            conn.asking -= 1
 
     async def _allocate(self, conn: Conn, message: p.Alloc) -> None:
         """Hand ``conn`` a segment of ``message.nbytes`` once memory allows (or its
@@ -250,6 +283,7 @@ class Server:
             clients=self.clients - 1,  # not counting the one asking
             committed=0 if saves is None else saves.committed,
             failed=0 if saves is None else saves.failed,
+            refused=dict(self.admission.refused),
         )
 
 

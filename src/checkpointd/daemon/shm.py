@@ -25,7 +25,7 @@ from checkpointd import tunables
 from checkpointd.errors import ServiceError
 from checkpointd.read.hostmem import MADV_POPULATE_WRITE
 
-__all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "readonly_fd", "reusable"]
+__all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "paged", "readonly_fd", "reusable"]
 
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
@@ -36,15 +36,15 @@ class MappedSegment:
     def __init__(self, ident: int, size: int) -> None:
         self.ident = ident
         self.size = size
-        self.capacity = max(size, 1)
-        """Bytes the memfd holds (at least ``size``: a reused segment may be larger)."""
+        self.capacity = paged(size)
+        """Bytes the memfd holds: ``size`` in whole pages (a reused segment may be larger)."""
         try:
             self.fd = os.memfd_create(f"checkpointd-{ident}", os.MFD_CLOEXEC)
         except OSError as exc:
             raise ServiceError(f"cannot create a shared-memory segment: {exc}") from exc
         try:
-            os.ftruncate(self.fd, max(size, 1))
-            self.map = _populated(self.fd, max(size, 1))
+            os.ftruncate(self.fd, self.capacity)
+            self.map = _populated(self.fd, self.capacity)
         except BaseException:
             os.close(self.fd)
             raise
@@ -94,7 +94,13 @@ def reusable(capacity: int, nbytes: int) -> bool:
     """Whether a segment of ``capacity`` bytes serves a save of ``nbytes``: large enough,
     and at most twice as large (the service's rule for reusing a spare, which a client
     asking for a segment ahead of its capture applies too)."""
-    return nbytes <= capacity <= 2 * max(nbytes, 1)
+    return nbytes <= capacity <= max(2 * nbytes, paged(nbytes))
+
+
+def paged(nbytes: int) -> int:
+    """``nbytes`` (at least one) rounded up to whole pages: what a segment of that size
+    costs, and counts against ``--memory-limit``."""
+    return -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def huge_pages_mode() -> str:
