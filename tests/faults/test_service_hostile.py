@@ -385,3 +385,75 @@ def test_one_byte_segments_are_capped_and_count_a_page(tmp_path: Path) -> None:
         time.sleep(0.3)
         assert service.proc.poll() is None, service.log_text()[-3000:]
         assert status(service.socket).bytes_staged == 0
+
+
+_ACCEPTING = """
+import collections, os, resource, sys
+import anyio
+from checkpointd.daemon.admission import accept_loop
+
+async def main() -> None:
+    listener = await anyio.create_unix_listener(sys.argv[1])
+    held = []
+    refused = collections.Counter()
+
+    async def serve(stream) -> None:
+        held.append(stream)
+
+    in_use = len(os.listdir("/proc/self/fd"))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 6, hard))
+    async with anyio.create_task_group() as group:
+        group.start_soon(accept_loop, listener, serve, group, refused)
+        print("ready", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+        print(len(held), refused["descriptors"], flush=True)
+        group.cancel_scope.cancel()
+
+anyio.run(main)
+"""
+
+
+def test_accepting_out_of_descriptors_refuses_and_goes_on(tmp_path: Path) -> None:
+    folder = socket_folder()
+    path = os.path.join(folder, "sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ACCEPTING, path],
+        env=child_env(),
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready", proc.stderr
+        told = 0
+        for _ in range(20):
+            sock = _connect(path)
+            socks.append(sock)
+            sock.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):  # held: nothing to read
+                replies = _replies(sock, 0.5)
+                assert len(replies) == 1, replies
+                assert isinstance(replies[0], p.Error), replies
+                assert "out of file descriptors" in replies[0].message
+                told += 1
+        assert proc.poll() is None, proc.communicate()[1]
+        proc.stdin.write("report\n")
+        proc.stdin.flush()
+        held, refused = map(int, proc.stdout.readline().split())
+        assert proc.wait(30) == 0
+        assert 1 <= held < 20
+        assert told == 20 - held
+        assert refused >= told
+    finally:
+        for sock in socks:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -111,9 +111,11 @@ async def accept_loop(
 ) -> None:
     """Accept connections until cancelled, each served by ``serve`` in ``group``. When
     ``accept`` fails for want of descriptors, the connection waiting is accepted on a
-    spare descriptor kept for this and told so, then accepting backs off a little."""
+    spare descriptor kept for this and told so; without a spare, accepting backs off
+    (up to a second) until descriptors free."""
     spare = _spare()
     delay = 0.0
+    short = False  # out of descriptors since the last connection accepted (logged once)
     try:
         while True:
             if spare is None:
@@ -125,16 +127,18 @@ async def accept_loop(
                 if not isinstance(cause, OSError) or cause.errno not in _OUT_OF:
                     raise
                 refused["descriptors"] += 1
-                if not delay:
+                if not short:
                     _log.warning("out of file descriptors (%s): refusing connections", cause)
-                if spare is not None:
+                    short = True
+                if spare is not None:  # each turn answers a waiting connection: no spin
                     os.close(spare)
                     spare = None
                     await _refuse_one(listener)
+                    continue
                 delay = min(1.0, max(0.01, 2 * delay))
                 await anyio.sleep(delay)
                 continue
-            delay = 0.0
+            delay, short = 0.0, False
             group.start_soon(serve, stream)
     finally:
         if spare is not None:
