@@ -2,8 +2,9 @@
 bucket and the demo together with real CLI flags; the Dockerfile's checkpointd steps and
 the compose demo command run here (against moto instead of MinIO).
 
-What this cannot check: that the images build and MinIO accepts the requests
-(docker/smoke.sh does that where a Docker engine exists).
+The image is built and run for real in tests/containers (podman, against moto's server
+in a container); that MinIO accepts the requests only docker/smoke.sh checks, where a
+registry serves MinIO's images.
 """
 
 from __future__ import annotations
