@@ -140,13 +140,10 @@ def pip_settings() -> tuple[list[str], list[str]]:
         check=True,
     ).stdout
     settings: dict[str, str] = {}
-    for line in listed.splitlines():  # global.find-links='/opt/wheels'; later lines win
+    # global.find-links='/opt/wheels', ..., then the PIP_* variables as :env:.find-links=...
+    for line in listed.splitlines():  # later lines win
         key, _, value = line.partition("=")
         settings[key.rpartition(".")[2]] = value.strip("'\"")
-    for key in ("find-links", "extra-index-url", "index-url", "constraint", "cert"):
-        value = os.environ.get("PIP_" + key.upper().replace("-", "_"))
-        if value:
-            settings[key] = value
     build_args: list[str] = []
     volumes: set[str] = set()
     for key in ("find-links", "extra-index-url", "index-url", "constraint", "cert"):
