@@ -315,15 +315,13 @@ class Boxes:
                 self._land_copied(file, item, piece)
                 continue
             begin, end, at = piece.contiguous
-            address = item.local.data_ptr() + at - begin
+            address, base = item.local.data_ptr() + at - begin, piece.shard.begin
             for index, (lo, hi) in zip(range(piece.lo, piece.hi), self._blocks(piece), strict=True):
                 owners.append((item, piece, index))
-                a, b = max(lo, begin), min(hi, end)
-                cuts: list[tuple[int | None, int, int]] = [(None, lo, a), (address + a, a, b)]
-                cuts.append((None, b, hi))
-                at = piece.shard.begin
+                a, b = max(lo, begin), min(hi, end)  # the block's bytes that land
+                cuts = ((None, lo, a), (address + a, a, b), (None, b, hi))
                 groups.append(
-                    [(d, v) for d, x, y in cuts if x < y for v in mapped.views(at + x, y - x)]
+                    [(d, v) for d, x, y in cuts if x < y for v in mapped.views(base + x, y - x)]
                 )
         if groups:
             digests = bytecopy.copy_checked_each(groups)
