@@ -126,3 +126,13 @@ def test_a_failing_container_shows_its_logs_in_the_failure(podman: Podman, s3: S
     assert "no committed checkpoint under s3://" in message, message  # the CLI's own stderr
     assert f"--- logs of cpd-s3-{podman.tag}" in message  # and the S3 server's log
     assert time.monotonic() - started < 120, shlex.join(command)
+
+
+def test_the_image_keeps_none_of_the_build_machines_pip_settings(podman: Podman) -> None:
+    env = json.loads(podman("image", "inspect", "--format", "{{json .Config.Env}}", IMAGE).stdout)
+    listed = podman.job("pip-config", "--entrypoint", "pip", IMAGE, "config", "list")
+    handed = ("find-links", "index-url", "constraint", "cert", "FIND_LINKS", "INDEX_URL")
+    for setting in handed:
+        podman.expect(setting not in listed, f"pip config list in the image: {listed}")
+        podman.expect(all(setting not in variable for variable in env), f"image env: {env}")
+    podman.expect("no-cache-dir" in listed, f"pip config list in the image: {listed}")
