@@ -13,10 +13,15 @@ warning classes (``errors.__all__``) are bound at import: errors imports nothing
 from __future__ import annotations
 
 import importlib as _importlib
+import logging as _logging
 import typing as _typing
 
 from checkpointd._version import __version__ as __version__
 from checkpointd.errors import *  # noqa: F403  (errors imports nothing: cheap to bind now)
+
+# Every module logs under its own name below "checkpointd"; nothing is shown until the
+# application configures logging (the README says how), not even warnings.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 # The lazy names, by home module: the one table __getattr__ and __all__ read.
 _HOMES: dict[str, tuple[str, ...]] = {

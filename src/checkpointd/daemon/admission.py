@@ -35,7 +35,7 @@ from .conn import Conn
 
 __all__ = ["Admission", "accept_loop", "descriptor_limit"]
 
-_log = logging.getLogger("checkpointd.write.loop")
+_log = logging.getLogger(__name__)
 
 _OUT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 

@@ -27,6 +27,7 @@ import msgspec
 
 from checkpointd.errors import StorageError, StorageNotFoundError
 from checkpointd.storage import FileSink, Store, fixed_root, resolve_root
+from checkpointd.storage.base import shown
 
 from .protocol import HeldFile, ProtocolError
 from .shm import MappedSegment
@@ -47,14 +48,7 @@ def shown_root(root: str, storage_options: Mapping[str, Any] | None) -> str:
     """``root`` as the service may print or log it: a URL's user and password
     (``user:pw@``) and query (a signed URL's token) masked, and the names of its storage options, never
     their values (credentials)."""
-    protocol, sep, rest = root.partition("://")
-    if sep:
-        where, slash, path = rest.partition("/")
-        _, at, host = where.rpartition("@")
-        if at:
-            where = f"***@{host}"
-        path, query, _ = path.partition("?")
-        root = f"{protocol}{sep}{where}{slash}{path}{query and '?***'}"
+    root = shown(root)
     if not storage_options:
         return root
     return f"{root} (storage options: {', '.join(sorted(map(str, storage_options)))})"

@@ -31,7 +31,7 @@ _WHO_PROCESS = 1
 _CLASS_BEST_EFFORT, _CLASS_IDLE = 2, 3
 _CLASS_SHIFT = 13
 
-_log = logging.getLogger("checkpointd.write.loop")
+_log = logging.getLogger(__name__)
 
 
 def _syscall(numbers: dict[str, int], *args: int) -> int:

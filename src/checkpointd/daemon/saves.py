@@ -41,7 +41,7 @@ from .snapshot import rebuild
 
 __all__ = ["HostedWriteService", "Saves"]
 
-_log = logging.getLogger("checkpointd.write.loop")
+_log = logging.getLogger(__name__)
 
 
 class HostedWriteService(WriteService):
@@ -174,7 +174,11 @@ class Saves:
         del conn.owned[message.segment]  # the save owns it now
         save = self._next()
         handle = SaveHandle(
-            snapshot.step, time.perf_counter(), anyio.Event(), failures=writer.service.failures
+            snapshot.step,
+            time.perf_counter(),
+            anyio.Event(),
+            failures=writer.service.failures,
+            where=str(writer.key),  # its log lines name the root as shown_root shows it
         )
         writer.pending += 1
         self.in_flight += 1
@@ -205,7 +209,6 @@ class Saves:
             except Exception as exc:
                 error = first_leaf(exc)
                 self.failed += 1
-                _log.warning("step %d of %s failed: %s", snapshot.step, str(writer.key), error)
                 self.memory.release(segment)
                 if writer.conn is not None:
                     await writer.conn.send(p.Failed(save, type(error).__name__, str(error)))

@@ -42,7 +42,7 @@ from .shm import huge_pages_mode, readonly_fd
 
 __all__ = ["Server", "serve"]
 
-_log = logging.getLogger("checkpointd.write.loop")
+_log = logging.getLogger(__name__)
 
 
 class Server:

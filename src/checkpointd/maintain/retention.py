@@ -27,6 +27,7 @@ it just committed for presence, gc reads every counted step whole (soundness.py)
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 import warnings
@@ -46,6 +47,7 @@ from checkpointd.maintain.soundness import Checked, checked_plan, present, verif
 from checkpointd.read.catalog import committed as committed_manifests
 from checkpointd.read.catalog import step_path
 from checkpointd.storage import Store
+from checkpointd.storage.base import shown
 
 __all__ = [
     "RetentionPlan",
@@ -57,6 +59,8 @@ __all__ = [
     "delete_checkpoints",
     "plan_retention",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +214,13 @@ def _damaged_warning(checked: Checked) -> str:
     return "; ".join(lines) + ": it counts for no retention rule" + kept
 
 
+def _rules(policy: RetentionPolicy) -> str:
+    """The rules ``policy`` sets, as a log line shows them (``keep_last=2``)."""
+    rules = [f"{n}={getattr(policy, n)}" for n in ("keep_last", "keep_every", "keep_best")]
+    best = f" by {policy.best_mode} {policy.best_metric}" if policy.keep_best else ""
+    return ", ".join(r for r in rules if not r.endswith("=None")) + best
+
+
 def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
     """The RetentionWarning message for ``steps`` that lack the best metric."""
     return (
@@ -239,6 +250,7 @@ def delete_checkpoint(store: Store, step: int) -> bool:
     if not store.exists(manifest):
         return False
     store.remove_file(manifest)
+    _log.debug("step %d of %s: manifest deleted, removing its folder", step, shown(store.url))
     store.remove_dir(folder)
     return True
 
@@ -366,6 +378,11 @@ async def apply_retention(
         deleted = await anyio.to_thread.run_sync(
             delete_checkpoints, store, victims, manifests, known, limiter=limiter
         )
+        if deleted:
+            steps = ", ".join(map(str, deleted))
+            _log.info(
+                "retention deleted steps %s of %s (%s)", steps, shown(store.url), _rules(policy)
+            )
     unranked = checked.plan.unranked
     if committed_step is not None and committed_step in unranked:
         # Only the new step: older unranked steps were reported when they were committed.

@@ -27,6 +27,7 @@ nothing is published. A dead rank's files are leftovers for ``gc``.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import anyio
 import anyio.to_thread
@@ -64,6 +65,7 @@ from checkpointd.ranks.merge import (
 )
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
+from checkpointd.storage.base import shown
 from checkpointd.write.commit import (
     clean_up,
     finish_commit,
@@ -78,6 +80,8 @@ from checkpointd.write.items import WriteFile
 from checkpointd.write.plan import SavePlan
 
 __all__ = ["commit_ranked", "component_digests"]
+
+_log = logging.getLogger(__name__)
 
 
 def component_digests(plan: SavePlan) -> dict[str, list[int]]:
@@ -148,6 +152,7 @@ async def commit_ranked(
         digests = await anyio.to_thread.run_sync(component_digests, plan)
         await anyio.to_thread.run_sync(attempt.post, "digest", digests)
         await _join(attempt)
+        _log.debug("step %d: rank %d joined attempt %d", plan.step, group.rank, number)
         await _write_share(
             store,
             plan,
@@ -157,8 +162,10 @@ async def commit_ranked(
             committed=committed,
             chunk_bytes=chunk_bytes,
         )
+        _log.debug("step %d: rank %d wrote its %d files", plan.step, group.rank, len(committed))
         if group.publishes:
             manifest = await _publish(store, plan, limiter, attempt, identity=identity)
+            _log.debug("step %d: published the manifest of %d ranks", plan.step, group.world_size)
         else:
             info = await _follow(store, plan, limiter, attempt)
             if written is not None:
@@ -166,6 +173,8 @@ async def commit_ranked(
             return info
     except BaseException as exc:
         leaf = first_leaf(exc)
+        why = shown(f"{type(leaf).__name__}: {leaf}")
+        _log.debug("step %d: rank %d leaves attempt %d (%s)", plan.step, group.rank, number, why)
         with anyio.CancelScope(shield=True):
             if await _may_remove(attempt, leaf):
                 await in_thread(limiter, clean_up, store, plan.step, streamed, committed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import mmap
+import re
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -40,6 +41,7 @@ __all__ = [
     "PinnedFile",
     "Store",
     "check_relpath",
+    "shown",
     "translate_errors",
     "translate_os_error",
 ]
@@ -47,6 +49,16 @@ __all__ = [
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 _WARN_LOCK = threading.Lock()
+# A URL in text: its scheme, then a user (and password) before an "@" in its host part,
+# the rest of its host and path, and a query (a signed URL's token).
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^/\s]*@)?([^\s?]*)(\?\S*)?")
+
+
+def shown(text: str) -> str:
+    """``text`` (a root, a URL or a message naming one) as it may be logged or shown: each
+    URL's ``user:password@`` and query masked (``***``). Storage options never appear in
+    a root or a store's URL. Any thread."""
+    return _URL.sub(lambda m: f"{m[1]}{'***@' if m[2] else ''}{m[3]}{'?***' if m[4] else ''}", text)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ from checkpointd.maintain.cleanup import remove_leftovers, unreferenced_files
 from checkpointd.maintain.retention import WriterIdentity
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
+from checkpointd.storage.base import shown
 from checkpointd.write.items import KeepBlob, PlannedFile, RankFile, WriteBlob, WriteFile
 from checkpointd.write.plan import SavePlan
 
@@ -63,6 +65,8 @@ __all__ = [
     "publish_plan",
     "write_files",
 ]
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StepFile = WriteFile | RankFile
@@ -170,6 +174,7 @@ async def write_files(
 
     async def write(blob: WriteBlob) -> None:
         blobs[blob.name] = await in_thread(limiter, _write_blob, store, blob, chunk_bytes)
+        _log.debug("step %d: blob %s durable (%d bytes)", step, blob.name, blobs[blob.name].size)
 
     async def check(blob: WriteBlob | KeepBlob) -> None:
         entry = blobs.get(blob.name, blob.entry if isinstance(blob, KeepBlob) else None)
@@ -180,6 +185,7 @@ async def write_files(
         await in_thread(limiter, _commit_file, sink)
         streamed.remove((sink, entry))
         committed.append(entry)
+        _log.debug("step %d: %s durable (%d bytes)", step, entry.path, entry.size)
 
     unique = list({blob.name: blob for blob in shared}.values())
     async with anyio.create_task_group() as group:
@@ -212,6 +218,7 @@ async def publish_manifest(
         raise CheckpointExistsError(
             f"step {step} was committed by another writer at {step_path(store, step)}"
         ) from None
+    _log.debug("step %d: manifest published at %s", step, shown(step_path(store, step)))
 
 
 async def commit_plan(
@@ -266,7 +273,9 @@ async def publish_plan(
         )
         manifest = manifest_of(plan, committed, blobs.values(), identity=identity)
         await publish_manifest(store, manifest, limiter)
-    except BaseException:
+    except BaseException as exc:
+        why = shown(f"{type(exc).__name__}: {exc}")
+        _log.debug("step %d: this attempt failed (%s); removing its files", step, why)
         with anyio.CancelScope(shield=True):
             await in_thread(limiter, clean_up, store, step, streamed, committed)
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -11,12 +12,15 @@ import anyio.to_thread
 
 from checkpointd.errors import CheckpointTimeoutError, WriterClosedError, WrongThreadError
 from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.storage.base import shown
 from checkpointd.write import lifecycle
 
 if TYPE_CHECKING:
     from checkpointd.write.staging import Staging
 
 __all__ = ["Failures", "SaveHandle", "first_leaf"]
+
+_log = logging.getLogger(__name__)
 
 
 class SaveHandle:
@@ -37,12 +41,15 @@ class SaveHandle:
         loop_thread: int | None = None,
         staging: Staging | None = None,
         failures: Failures | None = None,
+        where: str = "",
     ) -> None:
         """Made by a writer (or the checkpoint service) for each save: ``event`` is set on
         the loop thread ``loop_thread`` when the save resolves; ``staging`` is an
         overlapped save's copy still running; ``failures`` is the writer's record of
-        errors not yet seen (``result()`` marks the one it raises as seen)."""
+        errors not yet seen (``result()`` marks the one it raises as seen); ``where``
+        names the root in the log, as it may be shown (no credentials)."""
         self.step = step
+        self._where = where
         self.blocked_seconds = 0.0
         """Seconds ``save()`` held the caller (waiting for a buffer plus capture)."""
         self.durable_seconds: float | None = None
@@ -150,6 +157,21 @@ class SaveHandle:
         Called once, by the writer's event loop (or the checkpoint service's reader)."""
         self._info, self._error = info, error
         self.durable_seconds = time.perf_counter() - self._started
+        if error is None and info is not None:
+            _log.info(
+                "committed step %d%s (%d bytes, %.2fs after save())",
+                self.step,
+                f" to {self._where}" if self._where else "",
+                info.nbytes,
+                self.durable_seconds,
+            )
+        elif error is not None:
+            _log.warning(
+                "step %d%s failed: %s",
+                self.step,
+                f" of {self._where}" if self._where else "",
+                shown(str(error) or type(error).__name__),
+            )
         self._done.set()
         if self._event is not None:
             self._event.set()

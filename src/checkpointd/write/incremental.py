@@ -57,7 +57,7 @@ from checkpointd.write.plan import Blobs, SavePlan, Snapshot, plan_snapshot
 
 __all__ = ["CaptureHold", "IncrementalSaver", "SaveStats"]
 
-_log = logging.getLogger("checkpointd")
+_log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ when the writer starts, and the deletion of newer steps after a rollback
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import TYPE_CHECKING, Literal
 
@@ -32,6 +33,7 @@ from checkpointd.maintain.retention import (
 )
 from checkpointd.read import catalog
 from checkpointd.storage import Store
+from checkpointd.storage.base import shown
 from checkpointd.write import lifecycle
 from checkpointd.write.capture import BufferPool, StagingBuffer
 from checkpointd.write.commit import info_of, publish_plan
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from checkpointd.write.staging import Staging
 
 __all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
+
+_log = logging.getLogger(__name__)
 
 NewerSteps = Literal["error", "keep", "discard"]
 
@@ -68,7 +72,11 @@ def discard_newer(store: Store, step: int) -> list[int]:
     first); folders without a manifest (saves in flight, leftovers) are left to gc.
     Returns the deleted steps. Worker thread (blocking)."""
     newer = [s for s in reversed(catalog.step_folders(store)) if s > step]
-    return delete_checkpoints(store, newer)
+    deleted = delete_checkpoints(store, newer)
+    if deleted:
+        where = shown(store.url)
+        _log.info("discarded steps %s of %s, newer than step %d", deleted, where, step)
+    return deleted
 
 
 class WriteService:
@@ -192,7 +200,10 @@ class WriteService:
             )
         except Exception as exc:
             # The checkpoint is committed; the failure is reported on its own.
-            self.failures.add(first_leaf(exc))
+            error = first_leaf(exc)
+            why = shown(f"{type(error).__name__}: {error}")
+            _log.warning("step %d is committed; what follows a commit failed: %s", info.step, why)
+            self.failures.add(error)
         finally:
             handle.resolve(info, None)
 

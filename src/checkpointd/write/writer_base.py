@@ -9,6 +9,7 @@ so a bad call raises at once instead of failing in the background.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -32,6 +33,7 @@ from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.storage import resolve_root
+from checkpointd.storage.base import shown
 from checkpointd.write import lifecycle, opening
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
@@ -42,6 +44,8 @@ from checkpointd.write.staging import Stager, Staging, StagingMode
 from checkpointd.write.writer_args import plain_metrics_and_metadata
 
 __all__ = ["WriterBase"]
+
+_log = logging.getLogger(__name__)
 
 
 class WriterBase:
@@ -244,6 +248,7 @@ class WriterBase:
     ) -> tuple[Snapshot, Staging | None]:
         """Capture ``state`` into ``buffer``. Overlapped staging: waits for the previous
         save's staging first, and returns this save's Staging (copies may still run)."""
+        _log.debug("step %d of %s: save started", step, shown(self.root))
         created_at = datetime.now(UTC)
         group = self._ranks
         captured, per_rank = split_state(state, None if group is None else group.rank)
@@ -288,6 +293,10 @@ class WriterBase:
             per_rank=per_rank,
             rank=0 if group is None else group.rank,
         )
+        nbytes = sum(c.nbytes for c in components)
+        _log.debug("step %d: captured %d bytes of %d components", step, nbytes, len(components))
+        if staging is None or not staging.hand_over(lambda error: _staged(step, error)):
+            _staged(step, None if staging is None else staging.error)
         return snapshot, staging
 
     @contextlib.contextmanager
@@ -329,6 +338,7 @@ class WriterBase:
             loop_thread=service.loop_thread,
             staging=staging,
             failures=service.failures,
+            where=shown(self.root),
         )
         self._pending.append(handle)
         return handle
@@ -361,6 +371,13 @@ class WriterBase:
             strict=strict,
             process_group=self.options.process_group,
         )
+
+
+def _staged(step: int, error: BaseException | None) -> None:
+    """Log that ``step``'s state is all in host memory (a failed copy fails the save, and
+    its handle logs that). On the thread that ended the copy."""
+    if error is None:
+        _log.debug("step %d: staged", step)
 
 
 def _distributed() -> bool:
