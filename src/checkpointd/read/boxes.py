@@ -24,15 +24,14 @@ The order is inplace.py's, per block instead of per file (shards carry one CRC32
    inplace.py); other parts are read into fresh memory through the pin (checked) and
    copied. On a pinned file only another program writing into a committed file, or a
    media error, can fail here (CorruptCheckpointError).
-   A local shard on a device (CUDA) cannot be read into: each block of its contiguous
-   parts is read into a staging block of the bounce buffer (bounce.py), checked there
-   and copied to the device.
 
-A shard file of the memory tier (a ``storage.MappedFile``) is checked as it lands, as in
-landing.py: not in step 1; in step 3 each block is copied into the local shard and its
-CRC32C taken of the landed bytes (``bytecopy.copy_checked_each``), so what lands is what
-was checked even if the segment is written into meanwhile (``unchanged`` cannot tell).
-A mismatch fails the landing, and restore then reads storage over it (restore.py).
+Each shard file lands in one of the ways strategies.py names, chosen in step 1: the
+above is ``REREAD`` (``WHOLE`` off a store that cannot pin). Blocks bound for a device
+land ``BOUNCED`` (each read into the bounce buffer, checked there, copied); a memory
+tier file ``CHECKED_COPY`` (each block copied into the local shard and its CRC32C
+taken of the landed bytes, ``bytecopy.copy_checked_each``), so what lands is what was
+checked even if the segment is written into meanwhile; a mismatch fails the landing,
+and restore then reads storage over it (restore.py).
 
 Blocking; the thread reading the component (plus one helper thread while streaming).
 """
@@ -51,8 +50,16 @@ from checkpointd.format.manifest import ShardedTensor, ShardEntry
 from checkpointd.read.bounce import Block, Bounce, needs_bounce, transfer_for
 from checkpointd.read.landing import bytes_of, require_unchanged
 from checkpointd.read.reader import StepReader
+from checkpointd.read.strategies import (
+    BOUNCED,
+    BOUNCED_MAPPED,
+    CHECKED_COPY,
+    WHOLE,
+    Strategy,
+    choose,
+)
 from checkpointd.read.targets import Taken
-from checkpointd.state.shards import Box, intersect, local_box
+from checkpointd.state.shards import Box, intersect, local_box, run_in
 from checkpointd.state.tree import alias_key, walk
 from checkpointd.storage.base import MappedFile, PinnedFile
 from checkpointd.write import bytecopy
@@ -89,22 +96,6 @@ class _Box:
     parts: list[_Part] = field(default_factory=list)
 
 
-def _row_major(shape: tuple[int, ...]) -> list[int]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return strides
-
-
-def _run(outer: Box, inner: Box) -> tuple[int, int] | None:
-    """(first, last + 1) elements of box ``inner`` in the row-major order of box
-    ``outer`` (which holds it) if they are one run, else None."""
-    strides = _row_major(outer[1])
-    first = sum((i - o) * s for i, o, s in zip(inner[0], outer[0], strides, strict=True))
-    last = first + sum((n - 1) * s for n, s in zip(inner[1], strides, strict=True))
-    return (first, last + 1) if last + 1 - first == math.prod(inner[1]) else None
-
-
 def _fits(local: torch.Tensor, dtype: torch.dtype, box: Box) -> bool:
     return (
         type(local) is torch.Tensor
@@ -127,6 +118,7 @@ class Boxes:
         self.reader = reader
         self.boxes: dict[str, _Box] = {}
         self._pins: dict[str, PinnedFile | None] = {}
+        self._strategies: dict[str, Strategy] = {}
         self._buffers: list[memoryview] = []
         self._taken = Taken()
 
@@ -158,7 +150,10 @@ class Boxes:
             if part is None or 0 in part[1]:
                 continue
             span = self.reader.shard_blocks(shard, dtype, part)
-            run, local_run = _run((tuple(shard.offsets), tuple(shard.shape)), part), _run(box, part)
+            run, local_run = (
+                run_in((tuple(shard.offsets), tuple(shard.shape)), part),
+                run_in(box, part),
+            )
             size = dtype.itemsize
             contiguous = None
             if run is not None and local_run is not None:
@@ -218,18 +213,21 @@ class Boxes:
         return found
 
     def check(self) -> None:
-        """The check pass (module doc, step 1) over every piece taken: on a pinned file
-        its blocks are streamed through the two block buffers and checked (one stream
-        per file); elsewhere its part is read into fresh memory, checked and kept.
+        """The check pass (module doc, step 1) over every piece taken, each file's
+        strategy chosen: where it checks before landing, the blocks of a pinned file
+        are streamed through the two block buffers and checked (one stream per file);
+        ``WHOLE``: its part is read into fresh memory, checked and kept.
         CorruptCheckpointError if a block differs; nothing live changes."""
         for file, pieces in self._by_file().items():
             pinned = self._pin(file)
-            if pinned is None:
+            on_device = any(needs_bounce(item.local) for item, _ in pieces)
+            strategy = self._strategies[file] = choose(pinned, on_device)
+            if strategy is WHOLE:
                 for item, piece in pieces:
                     piece.kept = self.reader.shard_part(piece.shard, item.dtype, piece.part)
                 continue
-            if not self.reader.verify or isinstance(pinned, MappedFile):
-                continue  # a mapped file's blocks are checked as they land
+            if not self.reader.verify or not strategy.checked_before:
+                continue  # checked as they land
             blocks = [
                 (piece, index, piece.shard.begin + begin, end - begin)
                 for _, piece in pieces
@@ -274,25 +272,28 @@ class Boxes:
         return all(seen.get(name) == 1 for name in self.boxes)
 
     def land(self, where: str, staging: Bounce) -> None:
-        """Read every direct box into its local shard (see the module doc, step 3); the
-        pieces of a file any of whose local shards is on a device go through ``staging``."""
+        """Read every direct box into its local shard (see the module doc, step 3), in
+        the way ``check`` chose for its file; ``BOUNCED`` ones go through ``staging``."""
         for file, pieces in self._by_file().items():
-            if any(needs_bounce(item.local) for item, _ in pieces):
+            strategy = self._strategies[file]
+            if strategy is BOUNCED or strategy is BOUNCED_MAPPED:
                 self._land_bounced(where, file, pieces, staging)
+            elif strategy is CHECKED_COPY:
+                mapped = self._pins[file]
+                assert isinstance(mapped, MappedFile)
+                self._land_mapped(where, file, mapped, pieces)
             else:
-                self._land_file(where, file, pieces)
+                self._land_file(where, file, pieces, strategy)
         for item in self.boxes.values():
             torch.autograd.graph.increment_version(item.local)
 
-    def _land_file(self, where: str, file: str, pieces: list[tuple[_Box, _Part]]) -> None:
-        """``land`` for the pieces of one shard file: kept ones copied, strided ones read
-        fresh (checked) and copied, each contiguous one read straight into its local
-        shard in one read (its blocks were checked by the check pass); then
-        CorruptCheckpointError unless a pinned file is still unchanged. A mapped file's
-        contiguous parts are copied and checked as they land instead (``_land_mapped``)."""
-        if isinstance(pinned := self._pins.get(file), MappedFile):
-            self._land_mapped(where, file, pinned, pieces)
-            return
+    def _land_file(
+        self, where: str, file: str, pieces: list[tuple[_Box, _Part]], strategy: Strategy
+    ) -> None:
+        """``land`` for the pieces of one ``REREAD`` or ``WHOLE`` shard file: kept ones
+        copied, strided ones read fresh (checked) and copied, each contiguous one read
+        straight into its local shard in one read (its blocks were checked by the check
+        pass); then CorruptCheckpointError unless a pinned file is still unchanged."""
         for item, piece in pieces:
             if piece.kept is not None or piece.contiguous is None:
                 self._land_copied(file, item, piece)
@@ -300,13 +301,13 @@ class Boxes:
             begin, end, at = piece.contiguous
             local = bytes_of(item.local)[at : at + end - begin]
             self._read(file)(local, piece.shard.begin + begin)
-        if (pinned := self._pins.get(file)) is not None:
+        if strategy.pinned_unchanged and (pinned := self._pins.get(file)) is not None:
             require_unchanged(where, file, pinned)
 
     def _land_mapped(
         self, where: str, file: str, mapped: MappedFile, pieces: list[tuple[_Box, _Part]]
     ) -> None:
-        """``_land_file`` for a mapped file (module doc): each block of a contiguous part
+        """``land`` for a ``CHECKED_COPY`` file (module doc): each block of a contiguous part
         copied into its local shard and checked as it landed; others as ``_land_copied``."""
         groups: list[list[tuple[int | None, memoryview]]] = []
         owners: list[tuple[_Box, _Part, int]] = []
@@ -332,7 +333,7 @@ class Boxes:
     def _land_bounced(
         self, where: str, file: str, pieces: list[tuple[_Box, _Part]], staging: Bounce
     ) -> None:
-        """``_land_file`` for local shards on a device: every block of a contiguous part
+        """``land`` for a ``BOUNCED`` file (local shards on a device): every block of a contiguous part
         is read into one of ``staging``'s blocks, checked there and copied to the device."""
         items: list[memoryview | Block] = []
         owners: list[tuple[_Box, _Part, int]] = []
@@ -388,7 +389,7 @@ class Boxes:
 
     def close(self) -> None:
         """Close the pinned shard files and drop what was kept."""
-        pins, self._pins = self._pins, {}
+        pins, self._pins, self._strategies = self._pins, {}, {}
         for pinned in pins.values():
             if pinned is not None:
                 pinned.close()

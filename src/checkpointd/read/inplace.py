@@ -43,8 +43,9 @@ of extra memory for the direct tensors:
    the bounce buffer and are checked again there (the check overlaps the copy to the
    device).
 
-The service's memory tier (a ``MappedFile``) is the one exception to "check, then
-land": its bytes are already in memory, so a separate check pass would read all of
+Each file lands in one of the ways strategies.py names (chosen once per file): step 1
+and 3 above are ``REREAD``, ``WHOLE`` and ``BOUNCED``. The service's memory tier
+(``CHECKED_COPY``) is the one exception to "check, then land": its bytes are already in memory, so a separate check pass would read all of
 them once more than the copy does (a third of a memory restore's time). Its check pass
 only copies the non-direct tensors out; the landing copies the direct tensors and
 checks the whole file as it lands (``bytecopy.copy_checked``). A mismatch there (a held
@@ -296,8 +297,9 @@ def _plan(  # noqa: PLR0917 - the one caller passes what it already has
             mine = {n: t for n, t in direct.items() if owner[n] == file}
             if mine:
                 ordered = sorted(entries, key=lambda e: e.begin)
-                landing = Landing(file, start, ordered, mine, reader.files[file].crc32c)
-                landing.pinned, landing.source = opened.pop(file)
+                pinned, source = opened.pop(file)
+                crc = reader.files[file].crc32c
+                landing = Landing(file, start, ordered, mine, crc, pinned=pinned, source=source)
                 landings.append(landing)
                 preloaded[file] = {**check_pass(reader, landing), **mine}
         tree = reader.component(name, entry, templates, tree=tree_bytes, preloaded=preloaded)

@@ -1,14 +1,9 @@
 """The two passes over a tensor file some of whose tensors restore straight into live
-tensors (inplace.py says why the order is all or nothing): the check pass streams the
-file through two reused chunk buffers, checks its CRC32C and copies its other tensors
-out; the landing pass reads the direct tensors' bytes into the live tensors, once, and
-then requires the pinned file unchanged since it was opened (no second CRC32C). A
-``storage.MappedFile`` (in memory already: the service's memory tier) is instead checked
-as it lands, in one pass over memory (``bytecopy.copy_checked``): a mismatch is found
-only once the direct tensors hold the bad bytes, so it raises CorruptCheckpointError
-from the landing, and restore reads storage instead (restore.py). Direct tensors on a
-device land through a ``bounce.Bounce`` (read a block at a time into pinned staging,
-checked again there, copied). Blocking; the restoring thread (plus helper threads)."""
+tensors (inplace.py says why the order is all or nothing), in the way its ``Landing``'s
+strategy names (strategies.py, chosen once when the landing is made): the check pass
+copies the header and the other tensors out (checking the file's CRC32C on the way
+where the strategy checks before landing); the landing pass puts the direct tensors'
+bytes in the live tensors. Blocking; the restoring thread (plus helper threads)."""
 
 from __future__ import annotations
 
@@ -24,6 +19,14 @@ from checkpointd.format.checksum import crc32c_stream
 from checkpointd.format.header import TensorEntry
 from checkpointd.read.bounce import Bounce, Piece, needs_bounce
 from checkpointd.read.reader import StepReader
+from checkpointd.read.strategies import (
+    BOUNCED,
+    BOUNCED_MAPPED,
+    CHECKED_COPY,
+    WHOLE,
+    Strategy,
+    choose,
+)
 from checkpointd.storage.base import MappedFile, PinnedFile
 from checkpointd.write import bytecopy
 
@@ -36,7 +39,8 @@ _ALIGN = 64
 @dataclass
 class Landing:
     """One tensor file some of whose tensors land straight in live tensors (``entries`` in
-    file order; ``crc32c`` the manifest's)."""
+    file order; ``crc32c`` the manifest's), opened as ``pinned`` or read whole as
+    ``source``; ``strategy`` is chosen from those when it is made."""
 
     file: str
     start: int
@@ -48,6 +52,11 @@ class Landing:
     """Byte views of the tensors that do not land directly, in file order."""
     pinned: PinnedFile | None = None
     source: torch.Tensor | None = None
+    strategy: Strategy = field(init=False)
+
+    def __post_init__(self) -> None:
+        on_device = any(needs_bounce(live) for live in self.direct.values())
+        self.strategy = choose(self.pinned, on_device)
 
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -70,23 +79,15 @@ def _reader(reader: StepReader, landing: Landing) -> Callable[[memoryview, int],
 
 
 def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
-    """Check ``landing``'s pinned file against its CRC32C through two reused chunk buffers,
-    copying its header and its non-direct tensors out on the way; those tensors by name.
-    Where the store could not pin the file it was read whole (kept until landing). A
-    ``MappedFile``'s are copied out unchecked: ``land_file`` checks the whole file."""
+    """The check pass: ``landing``'s header and non-direct tensors copied out (those
+    tensors by name), its file checked against its CRC32C through two reused chunk
+    buffers on the way where its strategy checks before landing (strategies.py). A
+    file read whole (``WHOLE``) was checked when read and is kept until landing."""
     size = reader.files[landing.file].size
     others = [e for e in landing.entries if e.name not in landing.direct]
-    pinned, source = landing.pinned, landing.source
-    if pinned is None:
-        assert source is not None  # read whole (and checked) by _open
-        landing.header = bytes(source[: landing.start].numpy())
-        kept: dict[str, torch.Tensor] = {}
-        for e in others:
-            piece = source[landing.start + e.begin : landing.start + e.end]
-            if (landing.start + e.begin) % e.dtype.itemsize:
-                piece = piece.clone()
-            kept[e.name] = piece.view(e.dtype).view(e.shape)
-        return kept
+    pinned, strategy = landing.pinned, landing.strategy
+    if strategy is WHOLE:
+        return _whole_others(landing, others)
     offsets = [0, *itertools.accumulate(-(-(e.end - e.begin) // _ALIGN) * _ALIGN for e in others)]
     total = offsets.pop()
     memory = torch.empty(total, dtype=torch.uint8)
@@ -98,8 +99,10 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     ]
     header = bytearray(landing.start)
     chunk = min(tunables.READ_CHUNK_BYTES, max(size, 1))
+    assert pinned is not None
     spans: list[tuple[memoryview, int | None]]
-    if isinstance(pinned, MappedFile):  # in memory already: checked as it lands
+    if not strategy.checked_before:  # a MappedFile, in memory already: checked as it lands
+        assert isinstance(pinned, MappedFile)
         spans = [(piece, None) for piece in pinned.views(0, size)]
     else:
         buffers = [memoryview(bytearray(chunk)), memoryview(bytearray(chunk))]
@@ -126,13 +129,13 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
                     out[at + a - begin : at + b - begin] = view[a - lo : b - lo]
             j += 1
 
-    if isinstance(pinned, MappedFile):
+    if strategy.checked_before:
+        reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
+        landing.header = bytes(header)
+    else:
         for i, (view, _) in enumerate(spans):
             extract(i, view)
-    else:
-        reader.check_digest(landing.file, crc32c_stream(spans, _reader(reader, landing), extract))
-    landing.header = bytes(header)
-    if isinstance(pinned, MappedFile):
+        landing.header = bytes(header)
         _require_planned_layout(reader, landing)
     landing.kept = [out[at : at + e.end - e.begin] for e, at in zip(others, offsets, strict=True)]
     return {
@@ -141,10 +144,25 @@ def check_pass(reader: StepReader, landing: Landing) -> dict[str, torch.Tensor]:
     }
 
 
+def _whole_others(landing: Landing, others: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """``check_pass`` of a file read whole (and checked) by ``inplace._open``."""
+    source = landing.source
+    assert source is not None
+    landing.header = bytes(source[: landing.start].numpy())
+    kept: dict[str, torch.Tensor] = {}
+    for e in others:
+        piece = source[landing.start + e.begin : landing.start + e.end]
+        if (landing.start + e.begin) % e.dtype.itemsize:
+            piece = piece.clone()
+        kept[e.name] = piece.view(e.dtype).view(e.shape)
+    return kept
+
+
 def _require_planned_layout(reader: StepReader, landing: Landing) -> None:
-    """CorruptCheckpointError unless the header just copied out of a mapped file (the
-    one ``land_file`` checks) lays the file out as the header read before it did (the
-    one the landing was planned on): the memory may be written into between the two."""
+    """CorruptCheckpointError unless the header just copied out of a file not checked
+    before landing (the one ``land_file`` checks) lays the file out as the header read
+    before it did (the one the landing was planned on): the memory of a ``MappedFile``
+    may be written into between the two."""
     from checkpointd.format.header import header_length, parse_safetensors_header
 
     where, size = f"{reader.where}/{landing.file}", reader.files[landing.file].size
@@ -166,27 +184,29 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def land_file(where: str, landing: Landing, staging: Bounce | None = None) -> None:
-    """Land the direct tensors of one file (``where``: the step, for messages); those
-    on a device (``bounce.needs_bounce``) go through ``staging`` (else one of its own)."""
-    source = landing.source
-    if source is not None:  # read whole and checked in the check pass
+    """Land the direct tensors of one file (``where``: the step, for messages) in the
+    way its strategy names (strategies.py); ``BOUNCED`` ones through ``staging`` (else
+    one of its own). CorruptCheckpointError if what landed is not what was checked."""
+    source, pinned, strategy = landing.source, landing.pinned, landing.strategy
+    if strategy is WHOLE:  # read whole and checked in the check pass
+        assert source is not None
         for e in landing.entries:
             live = landing.direct.get(e.name)
             if live is not None:
                 _flat(live).copy_(source[landing.start + e.begin : landing.start + e.end])
         return
-    pinned = landing.pinned
     assert pinned is not None
-    if any(needs_bounce(live) for live in landing.direct.values()):
+    if strategy is BOUNCED or strategy is BOUNCED_MAPPED:
         with Bounce() as own:  # allocates nothing unless used
             digest = _bounce(landing, pinned, staging or own)
             _check_landed(where, landing, digest, "the file changed while it was being restored")
         return
-    if isinstance(pinned, MappedFile):
+    if strategy is CHECKED_COPY:
+        assert isinstance(pinned, MappedFile)
         digest = bytecopy.copy_checked(_mapped_pieces(landing, pinned))
         _check_landed(where, landing, digest, "the copy in memory changed after it was written")
         return
-    for e in landing.entries:
+    for e in landing.entries:  # REREAD
         if (live := landing.direct.get(e.name)) is not None:
             pinned.read_into(bytes_of(live), landing.start + e.begin)
     require_unchanged(where, landing.file, pinned)

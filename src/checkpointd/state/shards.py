@@ -29,6 +29,7 @@ __all__ = [
     "is_dtensor",
     "local_box",
     "local_shard",
+    "run_in",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -151,6 +152,17 @@ def intersect(a: Box, b: Box) -> Box | None:
         offsets.append(begin)
         shape.append(end - begin)
     return tuple(offsets), tuple(shape)
+
+
+def run_in(outer: Box, inner: Box) -> tuple[int, int] | None:
+    """(first, last + 1) elements of box ``inner`` in the row-major order of box
+    ``outer`` (which holds it) if they are one run, else None."""
+    strides = [1] * len(outer[1])
+    for d in range(len(strides) - 2, -1, -1):
+        strides[d] = strides[d + 1] * outer[1][d + 1]
+    first = sum((i - o) * s for i, o, s in zip(inner[0], outer[0], strides, strict=True))
+    last = first + sum((n - 1) * s for n, s in zip(inner[1], strides, strict=True))
+    return (first, last + 1) if last + 1 - first == math.prod(inner[1]) else None
 
 
 def local_box(template: Any) -> Box:
