@@ -104,3 +104,10 @@ from tests.support.cloud_roots import (  # noqa: E402
 )
 
 __all__ = ["azure_root", "azurite", "fake_gcs", "gcs_emulator", "gcs_root", "gcsemu_root"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with the kinds of cost it carries (tests/support/kinds.py)."""
+    from tests.support.kinds import mark_kinds
+
+    mark_kinds(items)
