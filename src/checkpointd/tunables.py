@@ -3,46 +3,85 @@
 Limits that readers enforce (manifest and header sizes, nesting depths) are
 part of what a checkpoint may be: raising them makes files that older readers
 refuse. The rest trade speed against memory or safety margins and may change
-freely. Modules read them as ``tunables.NAME`` at call time where a test needs
-to patch them (monkeypatch ``checkpointd.tunables``).
+freely. Modules read them as ``tunables.NAME`` at call time, so setting one (or
+monkeypatching ``checkpointd.tunables`` in a test) applies from the next call on; no
+module binds one at import. The one exception is the ``DEFAULT_*`` values that
+public arguments show in their signatures (bound when their module is imported:
+pass the argument instead). tests/unit/test_tunables.py keeps it so, and finds
+tunable-looking numbers (sizes, timeouts) defined anywhere else.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ACCEPT_BACKOFF_MAX_SECONDS",
+    "ACCEPT_BACKOFF_MIN_SECONDS",
     "BOUNCE_BYTES",
     "BOUNCE_CPU_TARGETS",
     "CHUNK_BYTES",
+    "CLIENT_CLOSE_SECONDS",
     "CLIENT_CONNECTIONS",
+    "CLIENT_MAPS_KEPT",
     "CLIENT_SEGMENTS",
+    "CONNECT_SECONDS",
+    "COPY_CHECKED_BYTES",
+    "COPY_CHUNK_BYTES",
+    "COPY_PARALLEL_MIN_BYTES",
+    "COPY_THREADS",
+    "DEFAULT_EXPORT_SHARD_BYTES",
+    "DEFAULT_HISTORY_LIMIT",
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_PENDING",
+    "DEFAULT_SERVICE_IO_LEVEL",
+    "DEFAULT_SERVICE_NICENESS",
     "DIRECT_MIN_BYTES",
     "FILE_READ_THREADS",
     "FRAME_BUFFER_BYTES",
+    "FRAME_RECEIVE_BYTES",
+    "FRAME_RECEIVE_MIN_BYTES",
     "FRAME_SECONDS",
     "GC_OLDER_THAN",
     "GRACE_SECONDS",
     "HEARTBEAT_SECONDS",
+    "IDLE_CHECK_SECONDS",
     "INCREMENTAL_MIN_BYTES",
     "JOIN_SECONDS",
+    "LIGHTNING_OPEN_WRITERS",
+    "MAX_BIGINT_BITS",
+    "MAX_DCP_INDEX",
+    "MAX_FRAME_BYTES",
     "MAX_FRAME_DEPTH",
     "MAX_FRAME_ITEMS",
     "MAX_HEADER_BYTES",
+    "MAX_IMPORT_PATH_CHARS",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
     "MAX_REQUEST_BYTES",
+    "MAX_SPEC_BYTES",
     "MAX_TREE_DEPTH",
+    "OPTIMIZER_SEARCH_DEPTH",
+    "OUTCOME_WAIT_SECONDS",
     "POLL_SECONDS",
+    "PUBLISH_WAIT_SECONDS",
     "READ_CHUNK_BYTES",
     "READ_THREADS",
+    "REFUSE_ACCEPT_SECONDS",
+    "RESTORE_WARNINGS_KEPT",
+    "S3_BODY_PIECE_BYTES",
     "S3_PARALLEL_PARTS",
     "S3_PART_BYTES",
     "S3_READ_PARALLEL",
     "S3_READ_PART_BYTES",
+    "S3_RETRY_FIRST_SECONDS",
+    "S3_RETRY_GROWTH",
+    "S3_RETRY_MAX_SECONDS",
+    "S3_SYNC_BODY_PIECE_BYTES",
+    "SERVICE_AUTO_IDLE_SECONDS",
     "SERVICE_CONNECTIONS",
     "SERVICE_SEGMENTS",
+    "SERVICE_START_POLL_SECONDS",
+    "SERVICE_START_SECONDS",
     "SHARD_BLOCK_BYTES",
     "SHARD_INDEX_MIN_ENTRIES",
     "SHM_HUGE_PAGES",
@@ -86,9 +125,36 @@ reads go as 50 MiB ranges; moto reads a whole object for every ranged GET, READM
 S3_READ_PARALLEL = 8
 """Ranged GETs one S3 store has in flight at once (all its reading threads together)."""
 
+COPY_CHUNK_BYTES = 8 * 2**20
+"""Bytes one thread copies at a time in ``write/bytecopy.py`` (captures, memory-tier
+landings): the longest the caller waits for a helper that is already copying."""
+
+COPY_THREADS = 4
+"""Threads that copy at once in ``write/bytecopy.py``, the caller included (at most the
+cores this process may use): memory bandwidth is shared, more threads gain little."""
+
+COPY_PARALLEL_MIN_BYTES = 32 * 2**20
+"""Below this many bytes (four ``COPY_CHUNK_BYTES``) one thread copies everything:
+starting helpers would cost more than they save."""
+
+COPY_CHECKED_BYTES = 512 * 2**10
+"""``bytecopy.copy_checked``'s step: copied, then checksummed while the bytes are still
+in the CPU's cache (half a megabyte fits L2 on current server cores)."""
+
+OPTIMIZER_SEARCH_DEPTH = 3
+"""How deep overlapped staging looks into a state (dicts, lists) for optimizers whose
+``step`` must wait for the copy: enough for a state dict of wrapped optimizers."""
+
 MAX_METADATA_BYTES = 16 * 2**20
 """Encoded metrics plus metadata of one save: a quarter of MAX_MANIFEST_BYTES, the
 rest is left to the file list, so every reader accepts the manifest."""
+
+DEFAULT_EXPORT_SHARD_BYTES = 5 * 2**30
+"""Default largest shard of an ``--format hf`` export (Hugging Face's default, 5 GiB)."""
+
+DEFAULT_HISTORY_LIMIT = 1000
+"""Default ``TrainingProgress(history_limit=)``: values kept per metric. Its history is
+copied at every save on the training thread; 100k values cost about 80 ms a save."""
 
 # --- reading -----------------------------------------------------------------
 
@@ -116,6 +182,30 @@ BOUNCE_CPU_TARGETS = False
 """Whether CPU tensors also go through the bounce path that device tensors take (restore
 landings and ``load(..., map_location="cpu")``). Off: a CPU tensor is read into directly,
 one copy fewer. Tests turn it on to run the device path where there is no GPU."""
+
+RESTORE_WARNINGS_KEPT = 1024
+"""Distinct ``strict=False`` warnings restore remembers so that each is shown once per
+process: bounded so that a long job restoring many different states cannot grow it."""
+
+S3_BODY_PIECE_BYTES = 4 * 2**20
+"""The most bytes taken at once from an S3 reply's body on the event loop (aiohttp):
+large enough to be cheap per call, small enough not to hold the loop."""
+
+S3_SYNC_BODY_PIECE_BYTES = 2**20
+"""The most bytes asked of a sync S3 reply at once (botocore, on a worker thread):
+urllib3's ``readinto`` reads into a new ``bytes`` of the length asked, then copies, so a
+small piece keeps that allocation reused and in cache instead of a fresh range-sized
+one faulted in per GET."""
+
+S3_RETRY_FIRST_SECONDS = 0.1
+"""The first pause before an S3 request is tried again after a transient error or a
+SlowDown; each next one is ``S3_RETRY_GROWTH`` times longer."""
+
+S3_RETRY_GROWTH = 1.7
+"""Growth of the pause between S3 tries (exponential backoff, as botocore's own)."""
+
+S3_RETRY_MAX_SECONDS = 15.0
+"""The longest pause between two S3 tries, however many came before."""
 
 SHARD_BLOCK_BYTES = 8 * 2**20
 """A shard's bytes carry one CRC32C per block of this size (recorded in the manifest),
@@ -147,6 +237,22 @@ MAX_TREE_DEPTH = 64
 """Deepest nesting of containers in a component's state tree (its own container is
 level 1). Capture refuses deeper states, readers refuse deeper trees as corrupt;
 far below what Python's recursion limit and msgspec allow."""
+
+MAX_SPEC_BYTES = 64 * 2**10
+"""Largest encoded arguments of one component's spec (``rebuild.spec``): a spec names a
+class and small arguments, never tensors; ``build`` refuses larger ones."""
+
+MAX_IMPORT_PATH_CHARS = 256
+"""Longest import path (``module.qualname``) a spec may name."""
+
+MAX_BIGINT_BITS = 4096
+"""Widest Python int a state may hold (stored as a msgpack extension past 64 bits):
+capture refuses wider, so decoding one never costs quadratic time."""
+
+MAX_DCP_INDEX = 2**20
+"""Largest list index in a PyTorch DCP checkpoint's flattened paths that importing it
+accepts: far above any real state, small enough that a hostile index cannot make a
+list of that length."""
 
 # --- retention and garbage collection -----------------------------------------
 
@@ -190,12 +296,79 @@ STALE_SECONDS after it stopped. The wait for the outcome goes on beside the look
 one for ``published`` is cut into waits this long, each of which, timing out, costs
 the store a call and logs two c10d warnings ("likely a timeout")."""
 
+OUTCOME_WAIT_SECONDS = 300.0
+"""Longest one blocked wait for an attempt's outcome lasts. Long: dead ranks are noticed
+by the task beside it, and each wait that times out logs two c10d warnings."""
+
+PUBLISH_WAIT_SECONDS = 4 * STALE_SECONDS
+"""How long a trainer whose service died waits for a committed attempt to be published
+(by its publisher, or by a follower standing in for a dead one) before it says it does
+not know (daemon/follow.py): four times ``STALE_SECONDS``, so a dead publisher is
+noticed and stood in for first. Raise it with ``STALE_SECONDS``."""
+
 STORE_VALUE_BYTES = 4 * 2**20
 """Largest value a rank sets in the job's c10d store in one piece; larger ones (a many-rank
 manifest, a post with many shards) go as chunks of this size (ranks/values.py). Half the
 8 MiB payload the libuv TCPStore accepts."""
 
 # --- the checkpoint service ----------------------------------------------------------
+SERVICE_START_SECONDS = 60.0
+"""How long ``service="auto"`` waits for a service it started to answer (a cold start
+imports torch)."""
+
+SERVICE_START_POLL_SECONDS = 0.05
+"""Pause between two tries to connect to a service ``service="auto"`` started."""
+
+SERVICE_AUTO_IDLE_SECONDS = 900.0
+"""``--idle-exit`` of a service started by ``service="auto"`` (the environment variable
+``CHECKPOINTD_IDLE_EXIT`` overrides it): a quarter hour without a client."""
+
+CONNECT_SECONDS = 10.0
+"""How long a client's connect to the service's socket may take before the service is
+taken for not answering."""
+
+CLIENT_MAPS_KEPT = 2
+"""Segment mappings a trainer keeps for reuse (daemon/segments.py): the one being filled
+and the one the service keeps or holds as its spare, so nothing stays mapped longer
+than a save only for reuse."""
+
+CLIENT_CLOSE_SECONDS = 5.0
+"""How long closing a client connection waits for its reader thread to end."""
+
+DEFAULT_SERVICE_NICENESS = 10
+"""``checkpointd serve --niceness``: the CPU scheduler gives a niceness-10 thread about a
+tenth of a niceness-0 thread's share when both want a core."""
+
+DEFAULT_SERVICE_IO_LEVEL = 7
+"""``--io-priority``: best effort, level 7 (the lowest level that still always progresses;
+``idle`` only gets the disk when nobody else wants it)."""
+
+IDLE_CHECK_SECONDS = 0.2
+"""How often the service looks whether it has been idle for ``--idle-exit``."""
+
+ACCEPT_BACKOFF_MIN_SECONDS = 0.01
+"""First pause of the service's accept loop when it is out of file descriptors and has
+no spare one; doubled each time, up to ``ACCEPT_BACKOFF_MAX_SECONDS``."""
+
+ACCEPT_BACKOFF_MAX_SECONDS = 1.0
+"""Longest pause of the accept loop while out of file descriptors: a second, so
+connections get in soon after descriptors free."""
+
+REFUSE_ACCEPT_SECONDS = 0.05
+"""How long the service waits to accept the connection it refuses on its spare
+descriptor (one is waiting already when accept failed, so it comes at once)."""
+
+MAX_FRAME_BYTES = 64 * 2**20
+"""Largest frame of the service's protocol (a ``Submit``: a snapshot's description with
+its non-tensor state): refused from its length prefix, before the body is read."""
+
+FRAME_RECEIVE_BYTES = 2**20
+"""The most bytes taken from a socket per receive while reading frames."""
+
+FRAME_RECEIVE_MIN_BYTES = 64 * 2**10
+"""The service asks for at least this much per receive (a little past the frame it
+reads), so many small frames cost few calls."""
+
 SHM_HUGE_PAGES = True
 """The service's shared-memory segments ask for transparent huge pages (granted where
 the host's ``shmem_enabled`` is ``advise``, ``within_size`` or ``always``): mapping a
@@ -210,7 +383,7 @@ MAX_REQUEST_BYTES = 1 << 20
 ``Lookup``...), refused from its first bytes, before the rest is read. The largest real
 one is an ``OpenWriter`` of a many-rank job (its group's global ranks, 5 bytes each: a
 200,000-rank job). Only a ``Submit`` (a snapshot's description) may reach
-``protocol.MAX_FRAME``."""
+``MAX_FRAME_BYTES``."""
 
 MAX_FRAME_ITEMS = 1 << 20
 """Most msgpack objects (every key, value and element) one frame the service reads may
@@ -233,7 +406,7 @@ first and are scanned and decoded on a worker thread, one at a time."""
 FRAME_BUFFER_BYTES = 128 * 2**20
 """Bytes of large frames (over ``SMALL_FRAME_BYTES``) the service buffers at once over
 every connection, outside ``--memory-limit`` (which bounds shared memory): two frames of
-``protocol.MAX_FRAME``. A frame that would pass it waits (within ``FRAME_SECONDS``)
+``MAX_FRAME_BYTES``. A frame that would pass it waits (within ``FRAME_SECONDS``)
 until others are decoded or their senders cut off."""
 
 FRAME_SECONDS = 30.0
@@ -258,3 +431,9 @@ CLIENT_SEGMENTS = 256
 """Most segments one client process holds at once, allocated and not yet submitted or in
 its writers' saves in flight (a writer has at most 64 saves pending). Each segment counts
 at least a page against ``--memory-limit`` too."""
+
+# --- framework plugins -----------------------------------------------------------
+LIGHTNING_OPEN_WRITERS = 4
+"""Writers the Lightning plugin keeps open at once (one per root it saved to, the most
+recently used): a trainer saving to a few roots reuses them, one saving to many does
+not hold a thread and staging buffers for each."""

@@ -11,6 +11,7 @@ import crc32c as reference
 import pytest
 import torch
 
+from checkpointd import tunables
 from checkpointd.write import bytecopy
 from checkpointd.write.capture import StagingBuffer, capture
 
@@ -31,8 +32,8 @@ def _pairs(sizes: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], t
 def test_bytes_arrive_exactly_across_chunks_and_tensors(
     monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(bytecopy, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tunables, "COPY_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tunables, "COPY_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(bytecopy, "_threads", lambda: threads)
     names: set[str] = set()
     memmove = bytecopy.ctypes.memmove
@@ -105,9 +106,9 @@ def test_without_threads_to_spare_the_caller_copies_everything(
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     monkeypatch.setattr(bytecopy.concurrent.futures, "ThreadPoolExecutor", Refusing)
-    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tunables, "COPY_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(bytecopy, "_threads", lambda: 3)
-    pairs, arena = _pairs([3 * bytecopy.CHUNK_BYTES + 1])
+    pairs, arena = _pairs([3 * tunables.COPY_CHUNK_BYTES + 1])
     bytecopy.copy_plain(pairs)
     assert torch.equal(arena, torch.cat([source for source, _ in pairs]))
 
@@ -116,9 +117,9 @@ def test_without_threads_to_spare_the_caller_copies_everything(
 def test_a_checked_copy_lands_every_byte_and_checksums_all_pieces_in_order(
     monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(bytecopy, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(bytecopy, "CHECKED_BYTES", 1000)  # not a divisor of a chunk
-    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tunables, "COPY_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tunables, "COPY_CHECKED_BYTES", 1000)  # not a divisor of a chunk
+    monkeypatch.setattr(tunables, "COPY_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(bytecopy, "_threads", lambda: threads)
     sizes = [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 50_000]
     pairs, _arena = _pairs(sizes)
@@ -155,8 +156,8 @@ def test_a_checked_copy_checksums_what_landed(monkeypatch: pytest.MonkeyPatch) -
 def test_checked_copies_of_groups_give_each_group_its_own_digest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(bytecopy, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(bytecopy, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tunables, "COPY_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tunables, "COPY_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(bytecopy, "_threads", lambda: 3)
     pairs, _ = _pairs([10, 4097, 0, 9000, 3])
     (a, ta), (b, tb), (c, tc), (d, td), (e, te) = pairs

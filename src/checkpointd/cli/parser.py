@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_service(commands: Any) -> None:
     """The ``serve`` and ``status`` subcommands (the checkpoint service)."""
-    from checkpointd.daemon.priority import DEFAULT_IO_LEVEL, DEFAULT_NICENESS
+    from checkpointd import tunables
 
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", help="show tracebacks on failure")
@@ -193,14 +193,14 @@ def _add_service(commands: Any) -> None:
     serve.add_argument(
         "--niceness",
         type=int,
-        default=DEFAULT_NICENESS,
+        default=tunables.DEFAULT_SERVICE_NICENESS,
         choices=range(20),
         metavar="N",
         help="CPU niceness added to the service's (default 10: below training; 0: unchanged)",
     )
     serve.add_argument(
         "--io-priority",
-        default=str(DEFAULT_IO_LEVEL),
+        default=str(tunables.DEFAULT_SERVICE_IO_LEVEL),
         choices=[*"01234567", "idle", "none"],
         help="I/O priority: best-effort level 0-7, idle, or none (default 7, the lowest level)",
     )

@@ -112,7 +112,7 @@ async def accept_loop(
     """Accept connections until cancelled, each served by ``serve`` in ``group``. When
     ``accept`` fails for want of descriptors, the connection waiting is accepted on a
     spare descriptor kept for this and told so; without a spare, accepting backs off
-    (up to a second) until descriptors free."""
+    (up to ``tunables.ACCEPT_BACKOFF_MAX_SECONDS``) until descriptors free."""
     spare = _spare()
     delay = 0.0
     short = False  # out of descriptors since the last connection accepted (logged once)
@@ -135,7 +135,8 @@ async def accept_loop(
                     spare = None
                     await _refuse_one(listener)
                     continue
-                delay = min(1.0, max(0.01, 2 * delay))
+                least = tunables.ACCEPT_BACKOFF_MIN_SECONDS
+                delay = min(tunables.ACCEPT_BACKOFF_MAX_SECONDS, max(least, 2 * delay))
                 await anyio.sleep(delay)
                 continue
             delay, short = 0.0, False
@@ -156,7 +157,7 @@ def _spare() -> int | None:
 async def _refuse_one(listener: SocketListener) -> None:
     """Accept the connection waiting (if any, at once), tell it why, close it."""
     stream = None
-    with anyio.move_on_after(0.05):
+    with anyio.move_on_after(tunables.REFUSE_ACCEPT_SECONDS):
         try:
             stream = await listener.accept()
         except anyio.BrokenResourceError:

@@ -41,7 +41,7 @@ def request_limit(head: bytes) -> int:
     """The largest body a frame starting with ``head`` (at least ``len(SUBMIT_HEAD)``
     bytes, or the whole body) may have."""
     if head.startswith(SUBMIT_HEAD):
-        return p.MAX_FRAME
+        return tunables.MAX_FRAME_BYTES
     return tunables.MAX_REQUEST_BYTES
 
 

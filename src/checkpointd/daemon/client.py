@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from checkpointd import errors
+from checkpointd import errors, tunables
 from checkpointd.errors import CheckpointError, ServiceError
 
 from . import protocol as p
@@ -33,12 +33,6 @@ from .frames import FrameReader, send_frame
 from .paths import check_folder, default_socket, peer_uid, prepare_folder
 
 __all__ = ["Connection", "connect", "error_from", "socket_path", "status"]
-
-START_SECONDS = 60.0
-"""How long ``service="auto"`` waits for a service it started to answer."""
-
-AUTO_IDLE_EXIT = 900.0
-"""``--idle-exit`` of a service started by ``service="auto"`` (seconds)."""
 
 M = TypeVar("M", bound=p.Message)
 
@@ -64,12 +58,12 @@ def socket_path(service: str) -> str:
 class Connection:
     """One client connection to the service. Close it with ``close()``."""
 
-    def __init__(self, path: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, path: str, *, timeout: float | None = None) -> None:
         self.path = path
         check_folder(os.path.dirname(os.path.abspath(path)))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(timeout)
+            sock.settimeout(tunables.CONNECT_SECONDS if timeout is None else timeout)
             sock.connect(path)
             sock.settimeout(None)
             if peer_uid(sock) != os.getuid():
@@ -203,7 +197,7 @@ class Connection:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if threading.current_thread() is not self._thread:
-            self._thread.join(5)
+            self._thread.join(tunables.CLIENT_CLOSE_SECONDS)
         self._sock.close()
         self._reader.close()
 
@@ -230,7 +224,7 @@ def _start_and_connect(path: str) -> Connection:
         with contextlib.suppress(ServiceError):
             return Connection(path)  # another process started it meanwhile
         log_path = os.path.join(folder, "service.log")
-        idle = os.environ.get("CHECKPOINTD_IDLE_EXIT", str(AUTO_IDLE_EXIT))
+        idle = os.environ.get("CHECKPOINTD_IDLE_EXIT", str(tunables.SERVICE_AUTO_IDLE_SECONDS))
         command = [sys.executable, "-m", "checkpointd", "serve", "--socket", path]
         command += ["--idle-exit", idle]
         with open(log_path, "ab") as log:
@@ -246,16 +240,17 @@ def _start_and_connect(path: str) -> Connection:
                 close_fds=True,
             )
             starter.wait()
-        deadline = time.monotonic() + START_SECONDS
+        wait = tunables.SERVICE_START_SECONDS
+        deadline = time.monotonic() + wait
         while True:
             with contextlib.suppress(ServiceError):
                 return Connection(path)
             if time.monotonic() > deadline:
                 raise ServiceError(
                     f"the checkpoint service started at {path} did not answer within "
-                    f"{START_SECONDS:g}s; see {log_path}"
+                    f"{wait:g}s; see {log_path}"
                 )
-            time.sleep(0.05)
+            time.sleep(tunables.SERVICE_START_POLL_SECONDS)
     finally:
         os.close(lock)
 

@@ -21,11 +21,7 @@ from checkpointd.ranks.group import Group
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import open_store
 
-__all__ = ["PUBLISH_WAIT_SECONDS", "outcome_after_loss"]
-
-PUBLISH_WAIT_SECONDS = 4 * tunables.STALE_SECONDS
-"""How long a committed attempt may take to be published (by its publisher, or by a
-follower standing in for a dead one) before the trainer says it does not know."""
+__all__ = ["outcome_after_loss"]
 
 
 def outcome_after_loss(  # noqa: PLR0917 - remote.py's one call
@@ -42,12 +38,13 @@ def outcome_after_loss(  # noqa: PLR0917 - remote.py's one call
         outcome = state.give_up(f"its checkpoint service went away ({error})")
         if outcome != COMMITTED:
             state.raise_if_abandoned(outcome)
-        deadline = time.monotonic() + PUBLISH_WAIT_SECONDS
+        wait = tunables.PUBLISH_WAIT_SECONDS
+        deadline = time.monotonic() + wait
         while (published := state.read("published")) is None:
             if time.monotonic() > deadline:
                 return None, ServiceError(
                     f"{error}; step {step} was committed by the ranks but not published "
-                    f"within {PUBLISH_WAIT_SECONDS:g}s: list_checkpoints tells whether it is"
+                    f"within {wait:g}s: list_checkpoints tells whether it is"
                 )
             time.sleep(tunables.POLL_SECONDS * 4)
     except RankFailedError as exc:  # abandoned, or the job's store is gone

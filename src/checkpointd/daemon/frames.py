@@ -18,16 +18,17 @@ from anyio.abc import ByteReceiveStream
 from checkpointd import tunables
 
 from .bounds import SUBMIT_HEAD, FrameBudget, check_structure, request_limit
-from .protocol import MAX_FRAME, PREFIX, Message, ProtocolError, decode, encode
+from .protocol import PREFIX, Message, ProtocolError, decode, encode
 
 __all__ = ["FrameReader", "body_length", "os_close", "read_async", "send_frame"]
 
 
 def body_length(prefix: bytes) -> int:
-    """The body length a 4-byte prefix announces; ProtocolError over MAX_FRAME."""
+    """The body length a 4-byte prefix announces; ProtocolError over
+    ``tunables.MAX_FRAME_BYTES``."""
     (length,) = PREFIX.unpack(prefix)
-    if length > MAX_FRAME:
-        raise ProtocolError(f"a frame of {length} bytes announced; the limit is {MAX_FRAME}")
+    if length > (limit := tunables.MAX_FRAME_BYTES):
+        raise ProtocolError(f"a frame of {length} bytes announced; the limit is {limit}")
     return int(length)
 
 
@@ -51,7 +52,7 @@ class FrameReader:
 
     def _fill(self, count: int) -> bool:
         while len(self._buffer) < count:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 8)
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, tunables.FRAME_RECEIVE_BYTES, 8)
             self.fds.extend(fds)
             if not data:
                 return False
@@ -103,7 +104,8 @@ async def read_async(
 
     async def fill(count: int) -> bool:
         while len(buffer) < count:
-            want = min(1 << 20, max(count - len(buffer), 1 << 16))  # little past this frame
+            most, least = tunables.FRAME_RECEIVE_BYTES, tunables.FRAME_RECEIVE_MIN_BYTES
+            want = min(most, max(count - len(buffer), least))  # little past this frame
             try:
                 buffer.extend(await stream.receive(want))
             except (anyio.EndOfStream, anyio.BrokenResourceError):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import anyio
 
+from checkpointd import tunables
 from checkpointd.errors import ServiceMemoryError
 
 from .protocol import ProtocolError
@@ -45,7 +46,7 @@ class SharedMemory:
         self._freed = anyio.Event()
         self._creating = 0  # bytes of segments being made on a worker thread
         self._making = 0  # and how many
-        self.max_segments = 1 << 14
+        self.max_segments = tunables.SERVICE_SEGMENTS
         """Most segments held at once (each a file descriptor and a mapping; admission.py)."""
 
     @property

@@ -15,15 +15,7 @@ import logging
 import os
 import platform
 
-__all__ = ["DEFAULT_IO_LEVEL", "DEFAULT_NICENESS", "io_priority", "lower_priority"]
-
-DEFAULT_NICENESS = 10
-"""``checkpointd serve --niceness``: the CPU scheduler gives a niceness-10 thread about a
-tenth of a niceness-0 thread's share when both want a core."""
-
-DEFAULT_IO_LEVEL = 7
-"""``--io-priority``: best effort, level 7 (the lowest level that still always progresses;
-``idle`` only gets the disk when nobody else wants it)."""
+__all__ = ["io_priority", "lower_priority"]
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}
 _IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "arm64": 31}

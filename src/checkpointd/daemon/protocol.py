@@ -1,7 +1,7 @@
 """The service's messages: msgspec structs in one tagged union, in length-prefixed frames.
 
 A frame is a 4-byte big-endian length then that many bytes of msgpack encoding
-one ``Message``; a length over ``MAX_FRAME`` is refused before anything is
+one ``Message``; a length over ``tunables.MAX_FRAME_BYTES`` is refused before anything is
 read or allocated (frames.py reads and sends them). Never pickle: decoding only builds these structs. Requests
 carry an ``id`` the reply repeats; ``Committed``/``Failed``/``Notice`` arrive
 unasked. File descriptors (shared-memory segments) travel beside a frame
@@ -17,13 +17,13 @@ from typing import Any
 
 import msgspec
 
+from checkpointd import tunables
 from checkpointd.errors import ServiceError
 from checkpointd.format.layout import SaveLayout
 from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.ranks.hosted import HostedGroup
 
 __all__ = [
-    "MAX_FRAME",
     "PREFIX",
     "Accepted",
     "Alloc",
@@ -52,10 +52,6 @@ __all__ = [
     "decode",
     "encode",
 ]
-
-MAX_FRAME = 64 * 1024 * 1024
-"""The largest frame either side accepts (a snapshot's description: its trees,
-metrics, metadata and tensor entries; tensor bytes travel in shared memory)."""
 
 PREFIX = struct.Struct(">I")
 """A frame's length prefix: 4 bytes, big-endian."""
@@ -318,10 +314,11 @@ _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 def encode(message: Message) -> bytes:
     """The frame of ``message``: length prefix and msgpack body."""
     body = _ENCODER.encode(message)
-    if len(body) > MAX_FRAME:
+    limit = tunables.MAX_FRAME_BYTES
+    if len(body) > limit:
         raise ProtocolError(
             f"a {type(message).__name__} message encodes to {len(body)} bytes, over the "
-            f"service's {MAX_FRAME}-byte limit (the state's non-tensor part is too large)"
+            f"service's {limit}-byte limit (the state's non-tensor part is too large)"
         )
     return PREFIX.pack(len(body)) + body
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CheckpointError, ServiceError
 from checkpointd.write.capture import StagingBuffer
 
@@ -29,12 +30,11 @@ class Mappings:
 
     The service hands a freed segment out again for the next save of a similar
     size; mapping it anew would set up every page again (measured: the main cost
-    of ``save()`` over the in-process writer). Only the last ``KEEP`` are kept: in
+    of ``save()`` over the in-process writer). Only the last
+    ``tunables.CLIENT_MAPS_KEPT`` are kept: in
     steady state those are the segment being filled and the one the service keeps
     in memory (or as its spare), so no memory stays alive only because of us for
     longer than one save. Any thread."""
-
-    KEEP = 2
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
@@ -58,7 +58,7 @@ class Mappings:
             found = map_fd(fd, size, writable=True)
         with self._lock:
             self._maps[key] = found
-            while len(self._maps) > self.KEEP:
+            while len(self._maps) > tunables.CLIENT_MAPS_KEPT:
                 _unmap(self._maps.pop(next(iter(self._maps))))
         return found
 

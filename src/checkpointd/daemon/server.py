@@ -109,7 +109,7 @@ class Server:
 
                 async def idle() -> None:
                     while True:
-                        await anyio.sleep(0.2)
+                        await anyio.sleep(tunables.IDLE_CHECK_SECONDS)
                         busy = self.clients or self.in_flight
                         if busy:
                             self._quiet_since = time.monotonic()

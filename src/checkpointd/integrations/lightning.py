@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.integrations.lightning_paths import checkpoint_root, last_checkpoint
 from checkpointd.maintain.removal import (
@@ -80,7 +81,6 @@ _RNG = "rng"
 # Writers kept open, most recently saved roots first: a root saved again by the same
 # writer lets retention drop its older step at once (another writer's fresh commits
 # are kept for a grace window); ``last.ckpt`` is saved every time and stays open.
-_OPEN_WRITERS = 4
 _REFUSED = ("keep_last", "keep_every", "keep_best", "best_metric", "best_mode", "retention")
 
 
@@ -279,13 +279,15 @@ class CheckpointdIO(_Base):
             writer.wait()
 
     def _settle(self) -> None:
-        """Close idle writers beyond the ``_OPEN_WRITERS`` most recently used (each is a
+        """Close idle writers beyond the ``tunables.LIGHTNING_OPEN_WRITERS`` most recently used (each is a
         thread), then run every removal whose earlier saves are all resolved."""
         self._handles = [(root, h) for root, h in self._handles if not h.done()]
         for root in [root for root, future in self._deleting.items() if future.done()]:
             self._deleted(root)  # raises a failed deletion's error
         busy = {root for root, _ in self._handles}
-        for root in list(self._writers)[: max(0, len(self._writers) - _OPEN_WRITERS)]:
+        for root in list(self._writers)[
+            : max(0, len(self._writers) - tunables.LIGHTNING_OPEN_WRITERS)
+        ]:
             if root not in busy:
                 self._writers.pop(root).close()
         ready = [(root, hs) for root, hs in self._removals if all(h.done() for h in hs)]

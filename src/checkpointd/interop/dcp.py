@@ -24,8 +24,6 @@ __all__ = ["DCP_METADATA", "EMPTY_MAPPINGS", "DCPUnpickler", "brief", "empty_map
 DCP_METADATA = ".metadata"
 EMPTY_MAPPINGS = "checkpointd.empty_mappings"
 """The DCP key under which an export lists its empty dicts (no component name has a dot)."""
-_MAX_INDEX = 2**20
-
 _DCP = "torch.distributed.checkpoint"
 _ADMITTED: dict[str, frozenset[str]] = {
     f"{_DCP}.metadata": frozenset(
@@ -238,7 +236,10 @@ def _put_back_empty_mappings(state: dict[str, Any], paths: Any, where: str) -> N
             isinstance(path, list)
             and 0 < len(path) <= tunables.MAX_JSON_DEPTH
             and isinstance(path[0], str)
-            and all(isinstance(p, str) or (type(p) is int and 0 <= p < _MAX_INDEX) for p in path)
+            and all(
+                isinstance(p, str) or (type(p) is int and 0 <= p < tunables.MAX_DCP_INDEX)
+                for p in path
+            )
         )
 
     if not isinstance(paths, list) or not all(plain(p) for p in paths):

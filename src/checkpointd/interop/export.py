@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError
 from checkpointd.read.restore import load
 from checkpointd.state.tree import alias_key, flatten
@@ -91,10 +92,6 @@ def export_component(
     return Export(checkpoint.info.step, count, skipped, nbytes)
 
 
-HF_SHARD_BYTES = 5 * 2**30
-"""Default largest shard of an ``--format hf`` export (Hugging Face's default, 5 GiB)."""
-
-
 def _fresh_folder(target: str) -> str:
     """A temporary folder beside ``target`` (which must not exist yet)."""
     if os.path.exists(target):
@@ -114,7 +111,7 @@ def export_hf(
     *,
     step: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    shard_bytes: int = HF_SHARD_BYTES,
+    shard_bytes: int = tunables.DEFAULT_EXPORT_SHARD_BYTES,
 ) -> Export:
     """Write ``component``'s tensors as a Hugging Face folder: safetensors shards of at
     most ``shard_bytes`` (a larger tensor gets its own) and ``model.safetensors.index.json``."""

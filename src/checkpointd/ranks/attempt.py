@@ -209,11 +209,6 @@ async def reason_to_give_up(
     return None
 
 
-_ROUND_SECONDS = 300.0
-"""Longest one blocked wait for the outcome lasts. Long: dead ranks are noticed by the
-task beside it, and each wait that times out logs two c10d warnings."""
-
-
 async def wait_for(
     attempt: Attempt, name: str, ranks: list[int], *, give_up: bool = True
 ) -> bytes | None:
@@ -245,7 +240,7 @@ async def wait_for(
                 tasks.cancel_scope.cancel()
 
         tasks.start_soon(abandon_if_gone)
-        wait = functools.partial(attempt.wait, name, _ROUND_SECONDS)
+        wait = functools.partial(attempt.wait, name, tunables.OUTCOME_WAIT_SECONDS)
         try:
             while value is None:
                 value = await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)

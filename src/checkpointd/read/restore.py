@@ -48,16 +48,16 @@ __all__ = [
 _log = logging.getLogger("checkpointd")
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-_MAX_WARNED = 1024
 
 
 def _warn_once(message: str) -> None:
     """Log ``message`` as a warning the first time only (``build`` restores with
-    ``strict=False`` on every call); at most ``_MAX_WARNED`` distinct ones are remembered."""
+    ``strict=False`` on every call); at most ``tunables.RESTORE_WARNINGS_KEPT`` distinct
+    ones are remembered."""
     with _warned_lock:
         if message in _warned:
             return
-        if len(_warned) < _MAX_WARNED:
+        if len(_warned) < tunables.RESTORE_WARNINGS_KEPT:
             _warned.add(message)
     _log.warning("%s", message)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from checkpointd import tunables
 from checkpointd.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -27,7 +28,7 @@ from checkpointd.errors import (
 from checkpointd.format.manifest import CheckpointInfo, Manifest, SpecEntry
 from checkpointd.read import catalog
 from checkpointd.rebuild.allowlist import BUILTIN_ALLOW
-from checkpointd.rebuild.spec import KINDS, MAX_SPEC_BYTES, check_import_path
+from checkpointd.rebuild.spec import KINDS, check_import_path
 from checkpointd.storage import open_store
 
 __all__ = ["BUILTIN_ALLOW", "DENY", "build", "is_allowed"]
@@ -146,9 +147,9 @@ def _select(specs: Mapping[str, SpecEntry], components: Iterable[str] | None) ->
         if entry.kind not in KINDS or (entry.of is not None and entry.of not in specs):
             raise CorruptCheckpointError(f"spec of {name!r} is inconsistent: {entry}")
         size = len(msgspec.json.encode([entry.args, entry.kwargs]))
-        if size > MAX_SPEC_BYTES:
+        if size > (most := tunables.MAX_SPEC_BYTES):
             raise CorruptCheckpointError(
-                f"spec of {name!r}: arguments of {size} bytes, more than {MAX_SPEC_BYTES}"
+                f"spec of {name!r}: arguments of {size} bytes, more than {most}"
             )
     if components is None:
         wanted = set(specs)

@@ -25,13 +25,9 @@ from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, SpecChangedWarning, UnsupportedValueError
 from checkpointd.format.manifest import SpecEntry
 
-__all__ = ["MAX_SPEC_BYTES", "Spec", "check_import_path", "record", "spec", "warn_changed"]
-
-MAX_SPEC_BYTES = 64 * 1024
-"""Largest encoded arguments of one spec; a spec is a recipe, not data."""
+__all__ = ["Spec", "check_import_path", "record", "spec", "warn_changed"]
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_MAX_PATH = 256
 KINDS = ("model", "optimizer", "scheduler", "object")
 
 
@@ -57,8 +53,8 @@ def check_import_path(module: str, qualname: str) -> str | None:
     dunder) part, no ``<locals>``, not ``__main__``, at most 256 characters.
     Pure string checks.
     """
-    if len(module) + len(qualname) + 1 > _MAX_PATH:
-        return f"the import path is longer than {_MAX_PATH} characters"
+    if len(module) + len(qualname) + 1 > (most := tunables.MAX_IMPORT_PATH_CHARS):
+        return f"the import path is longer than {most} characters"
     if module == "__main__":
         return "it is defined in __main__ (the script), which another process cannot import"
     for part in (*module.split("."), *qualname.split(".")):
@@ -90,9 +86,9 @@ def spec(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Spec:
     plain_args = tuple(_plain(value, f"{name} argument {i}") for i, value in enumerate(args))
     plain_kwargs = {key: _plain(value, f"{name} argument {key!r}") for key, value in kwargs.items()}
     size = len(msgspec.json.encode([plain_args, plain_kwargs]))
-    if size > MAX_SPEC_BYTES:
+    if size > (most := tunables.MAX_SPEC_BYTES):
         raise UnsupportedValueError(
-            f"{name}: arguments encode to {size} bytes, more than {MAX_SPEC_BYTES}; "
+            f"{name}: arguments encode to {size} bytes, more than {most}; "
             "put large values in the state instead"
         )
     return Spec(module, qualname, plain_args, plain_kwargs)

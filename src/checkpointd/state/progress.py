@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import RestoreMismatchError, ResumeNotExactWarning
 
 __all__ = ["TrainingProgress"]
 
 T = TypeVar("T")
 
-DEFAULT_HISTORY_LIMIT = 1000
 _KEYS = ("epoch", "step", "batch_in_epoch", "samples_seen", "history", "epoch_start_generator")
 
 
@@ -45,7 +45,7 @@ class TrainingProgress:
     save). Loading a checkpoint with a longer history keeps its newest values.
     """
 
-    def __init__(self, *, history_limit: int | None = DEFAULT_HISTORY_LIMIT) -> None:
+    def __init__(self, *, history_limit: int | None = tunables.DEFAULT_HISTORY_LIMIT) -> None:
         if history_limit is not None and (
             isinstance(history_limit, bool)
             or not isinstance(history_limit, int)

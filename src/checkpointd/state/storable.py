@@ -38,7 +38,6 @@ __all__ = ["CapturedShard", "Source", "Walker"]
 _MSGPACK_INT_MIN = -(2**63)
 _MSGPACK_INT_MAX = 2**64 - 1
 # Wider ints are stored as decimal text; Python refuses to print more than 4300 digits.
-_BIGINT_MAX_BITS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +174,9 @@ class Walker:
     def _int(self, value: int, path: tuple[str, ...]) -> int | BigInt:
         if _MSGPACK_INT_MIN <= value <= _MSGPACK_INT_MAX:
             return value
-        if value.bit_length() > _BIGINT_MAX_BITS:
+        if value.bit_length() > (most := tunables.MAX_BIGINT_BITS):
             raise UnsupportedValueError(
-                f"{self._where(path)}: integers wider than {_BIGINT_MAX_BITS} bits cannot be stored"
+                f"{self._where(path)}: integers wider than {most} bits cannot be stored"
             )
         return BigInt(value)
 

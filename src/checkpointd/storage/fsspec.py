@@ -37,8 +37,11 @@ class FsspecStore(Store):
 
     backend_errors: ClassVar[tuple[type[BaseException], ...]] = (BlocksizeMismatchError,)
 
-    block_size: int = tunables.S3_PART_BYTES
-    """Bytes per upload part (S3: at least 5 MiB; 10,000 parts make the largest file 160 GiB)."""
+    @property
+    def block_size(self) -> int:
+        """Bytes per upload part (S3: at least 5 MiB; 10,000 parts make the largest file
+        160 GiB): ``tunables.S3_PART_BYTES``, read when asked."""
+        return tunables.S3_PART_BYTES
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url

@@ -48,8 +48,11 @@ class S3Store(ConditionalCreateStore):
         aiohttp.ClientError,
     )
 
-    parallel_parts: int = tunables.S3_PARALLEL_PARTS
-    """Parts of one file uploaded at once (also the parts held in memory per file)."""
+    @property
+    def parallel_parts(self) -> int:
+        """Parts of one file uploaded at once (also the parts held in memory per file):
+        ``tunables.S3_PARALLEL_PARTS``, read when asked."""
+        return tunables.S3_PARALLEL_PARTS
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         options = dict(storage_options or {})

@@ -44,6 +44,8 @@ import botocore.session
 from botocore import UNSIGNED
 from s3fs.errors import translate_boto_error
 
+from checkpointd import tunables
+
 __all__ = ["SyncS3"]
 
 _CLIENT_KEYS = frozenset(
@@ -196,7 +198,8 @@ class SyncS3:
             except botocore.exceptions.ClientError as exc:
                 if number + 1 == self._retries or not any(s in str(exc) for s in _SLOW_DOWN):
                     raise translate_boto_error(exc) from exc
-            time.sleep(min(0.1 * 1.7**number, 15.0))
+            pause = tunables.S3_RETRY_FIRST_SECONDS * tunables.S3_RETRY_GROWTH**number
+            time.sleep(min(pause, tunables.S3_RETRY_MAX_SECONDS))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def submit(self, method: str, **kwargs: Any) -> concurrent.futures.Future[dict[str, Any]]:

@@ -21,19 +21,12 @@ from typing import Any
 
 import botocore.exceptions
 
+from checkpointd import tunables
 from checkpointd.errors import StorageError
 from checkpointd.storage.s3client import SyncS3
 from checkpointd.storage.s3upload import call_s3
 
 __all__ = ["RangedReader", "ThreadedRangedReader"]
-
-_PIECE = 4 * 2**20
-"""The most bytes taken from a reply's body at once (aiohttp)."""
-
-_SYNC_PIECE = 2**20
-"""The most bytes asked of a sync reply at once: urllib3's ``readinto`` reads into a
-new ``bytes`` of the length asked, then copies, so a small piece keeps that allocation
-reused and in cache instead of a fresh range-sized one faulted in per GET."""
 
 
 def _status(exc: BaseException) -> tuple[str | None, int | None, str | None]:
@@ -139,7 +132,7 @@ class ThreadedRangedReader:
             if total >= offset + b:
                 at = a
                 while at < b:
-                    got = body.readinto(buffer[at : min(b, at + _SYNC_PIECE)])
+                    got = body.readinto(buffer[at : min(b, at + tunables.S3_SYNC_BODY_PIECE_BYTES)])
                     if not got:
                         break
                     at += got
@@ -221,7 +214,9 @@ class RangedReader:
         whole range is held (a range's bytes object would be one more per GET in flight)."""
         at = a
         while at < b:
-            chunk = await body.read(min(b - at, _PIECE))  # what has arrived, at most that
+            chunk = await body.read(
+                min(b - at, tunables.S3_BODY_PIECE_BYTES)
+            )  # what has arrived, at most that
             if not chunk:
                 break
             n = min(len(chunk), b - at)

@@ -25,23 +25,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from checkpointd import tunables
 from checkpointd.format.checksum import crc32c, crc32c_combine
 
 __all__ = ["copy_checked", "copy_checked_each", "copy_plain", "copy_spans", "plain"]
 
 _Chunk = TypeVar("_Chunk")
-
-CHUNK_BYTES = 8 * 2**20
-"""Bytes one thread copies at a time: the longest the caller waits for a helper."""
-
-MAX_THREADS = 4
-"""Threads that copy at once, the caller included (memory bandwidth is shared)."""
-
-PARALLEL_MIN_BYTES = 4 * CHUNK_BYTES
-"""Below this, one thread copies everything: helpers would cost more than they save."""
-
-CHECKED_BYTES = 512 * 2**10
-"""``copy_checked``'s step: copied, then checksummed while the bytes are still in cache."""
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -69,7 +58,7 @@ def _threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores))
+    return max(1, min(tunables.COPY_THREADS, cores))
 
 
 def copy_plain(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -88,9 +77,10 @@ def copy_spans(spans: Sequence[tuple[int, int, int]]) -> None:
     another; returns once all bytes are copied. The caller keeps both sides alive (and
     mapped) until then. Caller's thread (it copies too)."""
     chunks: list[tuple[int, int, int]] = []
+    step = tunables.COPY_CHUNK_BYTES
     for dst, src, nbytes in spans:
-        for start in range(0, nbytes, CHUNK_BYTES):
-            chunks.append((dst + start, src + start, min(CHUNK_BYTES, nbytes - start)))
+        for start in range(0, nbytes, step):
+            chunks.append((dst + start, src + start, min(step, nbytes - start)))
     _shared(chunks, lambda chunk: ctypes.memmove(*chunk), sum(n for _, _, n in spans))
 
 
@@ -108,11 +98,12 @@ def copy_checked_each(groups: Sequence[Sequence[tuple[int | None, memoryview]]])
     CRC32C), all groups' chunks shared by the same threads: one digest per group."""
     chunks: list[tuple[int, int | None, memoryview]] = []
     owners: list[int] = []
+    size, checked = tunables.COPY_CHUNK_BYTES, tunables.COPY_CHECKED_BYTES
     for group, pieces in enumerate(groups):
         for dst, view in pieces:
-            for start in range(0, len(view), CHUNK_BYTES):
+            for start in range(0, len(view), size):
                 at = None if dst is None else dst + start
-                chunks.append((len(chunks), at, view[start : start + CHUNK_BYTES]))
+                chunks.append((len(chunks), at, view[start : start + size]))
                 owners.append(group)
     digests: list[int] = [0] * len(chunks)
 
@@ -124,8 +115,8 @@ def copy_checked_each(groups: Sequence[Sequence[tuple[int | None, memoryview]]])
         src = np.frombuffer(view, dtype=np.uint8).ctypes.data
         landed = memoryview((ctypes.c_ubyte * len(view)).from_address(dst)).cast("B")
         digest = 0
-        for start in range(0, len(view), CHECKED_BYTES):
-            step = min(CHECKED_BYTES, len(view) - start)
+        for start in range(0, len(view), checked):
+            step = min(checked, len(view) - start)
             ctypes.memmove(dst + start, src + start, step)
             digest = crc32c(landed[start : start + step], digest)
         digests[index] = digest
@@ -139,7 +130,8 @@ def copy_checked_each(groups: Sequence[Sequence[tuple[int | None, memoryview]]])
 
 def _shared(chunks: Sequence[_Chunk], work: Callable[[_Chunk], object], total: int) -> None:
     """Run ``work`` on every chunk once, taken in turn by the caller and helper threads
-    (the caller alone below PARALLEL_MIN_BYTES); returns once every chunk is done."""
+    (the caller alone below ``tunables.COPY_PARALLEL_MIN_BYTES``); returns once every
+    chunk is done."""
     pending: Iterator[_Chunk] = iter(chunks)
 
     def drain() -> None:
@@ -147,7 +139,7 @@ def _shared(chunks: Sequence[_Chunk], work: Callable[[_Chunk], object], total: i
             work(chunk)
 
     helpers = min(_threads(), len(chunks)) - 1
-    if helpers <= 0 or total < PARALLEL_MIN_BYTES:
+    if helpers <= 0 or total < tunables.COPY_PARALLEL_MIN_BYTES:
         drain()
         return
     pool = concurrent.futures.ThreadPoolExecutor(helpers, thread_name_prefix="checkpointd-copy")

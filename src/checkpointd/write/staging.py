@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from checkpointd import tunables
 from checkpointd.errors import StagingError
 from checkpointd.write import bytecopy, lifecycle
 from checkpointd.write.capture import Copier, Copy
@@ -45,7 +46,6 @@ StagingMode = Literal["blocking", "overlapped"]
 STAGING_MODES: tuple[StagingMode, ...] = ("blocking", "overlapped")
 
 # How deep in the state's containers optimizers are looked for (components may be dicts).
-_SEARCH_DEPTH = 3
 
 _Key = tuple[torch.device, int]
 
@@ -282,10 +282,10 @@ def _optimizers(value: Any, depth: int) -> Iterator[torch.optim.Optimizer]:
     if isinstance(value, torch.optim.Optimizer):
         inner = getattr(value, "optimizer", None)
         yield inner if isinstance(inner, torch.optim.Optimizer) else value
-    elif depth < _SEARCH_DEPTH and isinstance(value, Mapping):
+    elif depth < tunables.OPTIMIZER_SEARCH_DEPTH and isinstance(value, Mapping):
         for item in value.values():
             yield from _optimizers(item, depth + 1)
-    elif depth < _SEARCH_DEPTH and isinstance(value, list | tuple):
+    elif depth < tunables.OPTIMIZER_SEARCH_DEPTH and isinstance(value, list | tuple):
         for item in value:
             yield from _optimizers(item, depth + 1)
 
