@@ -12,9 +12,9 @@ new tests are marked without a list to keep. The fast tier is every test with no
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,7 +55,7 @@ _FRAMEWORKS = frozenset(
 )
 _FRAMEWORK_TEXT = re.compile(
     r"^(lightning|pytorch_lightning|accelerate|transformers|torchtitan)(\.|$)"
-    r"|^tests\.support\.(lightning|lightning_kill|accelerate|transformers|torchtitan|lora)_job$"
+    r"|^tests\.support\.(lightning|lightning_kill|accelerate|transformers|torchtitan)_job$"
 )
 _BENCH_FILES = frozenset({"test_benchmarks_smoke.py"})
 
@@ -65,6 +65,16 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _codes(const)
+
+
+def _module(name: str) -> types.ModuleType | None:
+    """The module of tests/ called ``name`` (imported if it is not yet), else None."""
+    if not name.startswith("tests."):
+        return None
+    try:
+        return importlib.import_module(name)
+    except (Exception, pytest.skip.Exception):
+        return None
 
 
 def _ours(value: object) -> bool:
@@ -98,9 +108,7 @@ class _Scan:
             if isinstance(glob.get(n), types.ModuleType) and glob[n].__name__.startswith("tests.")
         ]
         # Function-level ``from tests.x import y``: the module's name is among the names.
-        modules += [
-            vars(sys.modules[n]) for n in names if n.startswith("tests.") and n in sys.modules
-        ]
+        modules += [vars(m) for m in map(_module, names) if m is not None]
         for name in names:
             value = glob.get(name)
             if isinstance(value, types.ModuleType):
