@@ -1,5 +1,7 @@
-"""The documented import path ``checkpointd.accelerate``: accelerate's Accelerator, saved and restored
-(its home is ``checkpointd.integrations.accelerate``)."""
+"""The documented import path ``checkpointd.accelerate``.
+
+Accelerate's Accelerator, saved and restored (its home is ``checkpointd.integrations.accelerate``).
+"""
 
 from checkpointd.integrations.accelerate import (
     accelerator_state,

@@ -6,7 +6,8 @@ TimeoutError, ``StorageError`` an OSError...), so ``except ValueError`` or
 ``except TimeoutError`` written before these existed keeps working. Bugs
 (AssertionError) and interruptions (KeyboardInterrupt, cancellation) are not
 wrapped. Also the warnings checkpointd emits (UserWarning subclasses).
-No imports: any module may import this one."""
+No imports: any module may import this one.
+"""
 
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ class WrongThreadError(CheckpointError, RuntimeError):
 
 
 class InvalidArgumentError(CheckpointError, ValueError):
-    """An argument is out of range or of the wrong kind (a writer option, a step, a
-    retention rule); raised at once, on the caller's thread, before anything is written."""
+    """An argument is out of range or of the wrong kind (a writer option, a step, a retention rule).
+
+    Raised at once, on the caller's thread, before anything is written.
+    """
 
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
@@ -91,18 +94,24 @@ class StepOrderError(CheckpointError, ValueError):
 
 
 class RankFailedError(CheckpointError, RuntimeError):
-    """A save of many ranks failed elsewhere: another rank failed, died or did not join
-    it, or replicated components differ between ranks."""
+    """A save of many ranks failed elsewhere.
+
+    Another rank failed, died or did not join it, or replicated components differ between ranks.
+    """
 
 
 class StagingError(CheckpointError, RuntimeError):
-    """Copying the state into host memory failed in the background (overlapped staging);
-    the underlying error is the cause. The save failed; the writer goes on."""
+    """Copying the state into host memory failed in the background (overlapped staging).
+
+    The underlying error is the cause. The save failed; the writer goes on.
+    """
 
 
 class ServiceError(CheckpointError, RuntimeError):
-    """The checkpoint service could not be reached, refused a request, or died with this
-    save in flight (nothing of an unfinished save is ever visible)."""
+    """The checkpoint service could not be reached, refused a request, or died.
+
+    A save in flight when it died is not visible: nothing of an unfinished save ever is.
+    """
 
 
 class ServiceMemoryError(ServiceError, MemoryError):
@@ -126,8 +135,10 @@ class StorageNotFoundError(StorageError, FileNotFoundError):
 
 
 class UnsafeSpecError(CheckpointError):
-    """A spec names a callable outside ``build(allow=...)`` or one that cannot be imported
-    safely; raised before anything is imported."""
+    """A spec names a callable outside ``build(allow=...)`` or one that cannot be imported safely.
+
+    Raised before anything is imported.
+    """
 
 
 class ValidationFailedError(CheckpointError):
@@ -143,9 +154,10 @@ class CheckpointWarning(UserWarning):
 
 
 class ResumeNotExactWarning(CheckpointWarning):
-    """A resume cannot repeat the interrupted run bit for bit (the message says what to
-    pass): ``TrainingProgress.epoch_batches`` resuming mid-epoch without the loader's
-    generator."""
+    """A resume cannot repeat the interrupted run bit for bit (the message says what to pass).
+
+    ``TrainingProgress.epoch_batches`` resuming mid-epoch without the loader's generator.
+    """
 
 
 class RetentionWarning(UserWarning):
@@ -153,5 +165,8 @@ class RetentionWarning(UserWarning):
 
 
 class StorageCapabilityWarning(UserWarning):
-    """The storage lacks a capability the commit protocol relies on (e.g. an exclusive
-    create for the manifest); checkpointd works around it with weaker guarantees."""
+    """The storage lacks a capability the commit protocol relies on.
+
+    For example an exclusive create for the manifest; checkpointd works around it with
+    weaker guarantees.
+    """

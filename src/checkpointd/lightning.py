@@ -1,5 +1,7 @@
-"""The documented import path ``checkpointd.lightning``: Lightning's CheckpointIO plugin
-(its home is ``checkpointd.integrations.lightning``)."""
+"""The documented import path ``checkpointd.lightning``.
+
+Lightning's CheckpointIO plugin (its home is ``checkpointd.integrations.lightning``).
+"""
 
 from checkpointd.integrations.lightning import (
     CheckpointdIO,

@@ -1,5 +1,7 @@
-"""The documented import path ``checkpointd.retention``: retention policies
-(its home is ``checkpointd.maintain.retention``)."""
+"""The documented import path ``checkpointd.retention``.
+
+Retention policies (its home is ``checkpointd.maintain.retention``).
+"""
 
 from checkpointd.maintain.retention import (
     RetentionPlan,

@@ -1,5 +1,8 @@
-"""The documented import path ``checkpointd.torchtitan``: a torchtitan checkpoint manager, saving through checkpointd
-(its home is ``checkpointd.integrations.torchtitan``)."""
+"""The documented import path ``checkpointd.torchtitan``.
+
+A torchtitan checkpoint manager, saving through checkpointd (its home is
+``checkpointd.integrations.torchtitan``).
+"""
 
 from checkpointd.integrations.torchtitan import (
     CheckpointdManager,

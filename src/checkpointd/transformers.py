@@ -1,5 +1,8 @@
-"""The documented import path ``checkpointd.transformers``: the transformers Trainer, saving through checkpointd
-(its home is ``checkpointd.integrations.transformers``)."""
+"""The documented import path ``checkpointd.transformers``.
+
+The transformers Trainer, saving through checkpointd (its home is
+``checkpointd.integrations.transformers``).
+"""
 
 from checkpointd.integrations.transformers import (
     CheckpointdMixin,

@@ -36,6 +36,14 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """``checkpointd demo ROOT``: train a small model, saving as it goes.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0.
+    """
     from checkpointd.cli.demo import DemoConfig, run_demo
 
     config = DemoConfig(
@@ -56,6 +64,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    """``checkpointd ls ROOT``: the committed checkpoints, a table or ``--json``.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0; with ``--verify``, 1 if a checkpoint is damaged.
+    """
     import msgspec
 
     from checkpointd.read.catalog import list_checkpoints
@@ -96,8 +112,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_verified(args: argparse.Namespace) -> int:
-    """``ls --verify``: every step with a manifest, each file's size and CRC32C checked;
-    damaged steps (and unreadable manifests) are marked. Exit 1 if any is damaged."""
+    """``ls --verify``.
+
+    Every step with a manifest, each file's size and CRC32C checked; damaged steps (and unreadable
+    manifests) are marked. Exit 1 if any is damaged.
+    """
     import msgspec
 
     from checkpointd.format.manifest import CheckpointInfo
@@ -143,6 +162,14 @@ def _ls_verified(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    """``checkpointd inspect ROOT [--step N]``: one checkpoint's components and tensors.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0.
+    """
     from checkpointd.read.describe import describe
 
     with open_root(args) as store:
@@ -199,6 +226,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    """``checkpointd export ROOT --to PATH``: a checkpoint as .safetensors, .pt, HF or DCP.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0.
+
+    Raises:
+        ValueError: A ``--format`` other than dcp without ``--component`` (``main``
+            prints it; status 1).
+    """
     from checkpointd.interop.export import export_component, export_dcp, export_hf
 
     if args.format == "dcp":
@@ -248,6 +287,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
+    """``checkpointd import SOURCE ROOT``: commit a foreign checkpoint as one of ROOT's.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0.
+    """
     from checkpointd.interop.foreign import import_checkpoint
 
     done = import_checkpoint(
@@ -278,7 +325,22 @@ _HANDLERS: dict[str, Command] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; return the exit status."""
+    """Run one command; return the exit status.
+
+    A CheckpointError, OSError or ValueError is printed as one line on stderr (status 1);
+    Ctrl-C is status 130, a closed stdout 141.
+
+    Args:
+        argv: The arguments after the program name; None: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status of the command (0 on success).
+
+    Raises:
+        CheckpointError: With ``--debug``, the command's error instead of status 1.
+        OSError: With ``--debug``, likewise.
+        ValueError: With ``--debug``, likewise.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Command = _HANDLERS[args.command]

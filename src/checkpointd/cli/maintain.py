@@ -1,6 +1,8 @@
-"""The commands that look after a root: ``verify`` (every byte against its CRC32C) and
-``gc`` (retention and leftovers, shown, deleted with ``--apply``). Parse, call the
-library, print."""
+"""The commands that look after a root: ``verify`` and ``gc``.
+
+``verify`` reads every byte against its CRC32C; ``gc`` shows retention and leftovers,
+and deletes them with ``--apply``. Parse, call the library, print.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ def _verify_targets(store: Store, args: argparse.Namespace) -> tuple[list[Any], 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``checkpointd verify ROOT``: read every byte of each step against its manifest.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0 if all match, 1 if a file fails (the first failure on stderr).
+    """
     from checkpointd.read.verify import verify_step
 
     checked = done = 0  # done: bytes read (a shared blob once, however many steps use it)
@@ -118,6 +128,14 @@ def _rules(policy: RetentionPolicy) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    """``checkpointd gc ROOT``: what retention and leftovers would delete; ``--apply`` deletes.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0; 1 if retention refused to delete because no checkpoint checks out.
+    """
     from checkpointd.maintain.gc import apply_gc, plan_gc
     from checkpointd.maintain.removal import finish_removals
 

@@ -1,6 +1,7 @@
 """``checkpointd serve`` and ``checkpointd status``: parse, call the daemon package, print.
 
-``status`` imports no torch (it only talks to the socket)."""
+``status`` imports no torch (it only talks to the socket).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ __all__ = ["cmd_serve", "cmd_status"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``checkpointd serve``: run the checkpoint service in the foreground until signalled.
+
+    It logs to stderr at INFO (``logging.basicConfig``).
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0 once it has stopped.
+    """
     from checkpointd.daemon.paths import default_socket, parse_size
     from checkpointd.daemon.priority import lower_priority
     from checkpointd.daemon.server import serve
@@ -29,6 +40,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """``checkpointd status``: what the checkpoint service holds and does, or ``--json``.
+
+    Args:
+        args: The parsed command line (cli/parser.py).
+
+    Returns:
+        The exit status: 0 (no service answering is an error: status 1).
+    """
     import msgspec
 
     from checkpointd.daemon.client import status

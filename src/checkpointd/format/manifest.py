@@ -316,7 +316,18 @@ def _decode(where: str, decode: Callable[[], _T]) -> _T:
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):
-    """What a committed checkpoint is: returned by saves, listings and loads."""
+    """What a committed checkpoint is: returned by saves, listings and loads.
+
+    Attributes:
+        step: The training step it was saved as.
+        path: Where it is: the root's step folder (a local path or URL).
+        created_at: When ``save()`` was called (UTC).
+        nbytes: The bytes of its files and the blobs it uses.
+        metrics: The metrics saved with it.
+        metadata: The metadata saved with it.
+        components: The names of its components.
+        referenced_nbytes: Of ``nbytes``, the bytes of shared blobs an earlier save wrote.
+    """
 
     step: int
     path: str

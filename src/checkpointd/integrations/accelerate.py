@@ -91,8 +91,7 @@ class _Counter:
 
 
 class _SamplerPosition:
-    """Where a prepared dataloader is (its epoch, its sampler's seed or generator), as a
-    Stateful."""
+    """Where a prepared dataloader is (its epoch, its sampler's seed or generator), as a Stateful."""
 
     def __init__(self, dataloader: Any) -> None:
         from accelerate.data_loader import get_sampler  # type: ignore[import-untyped]
@@ -135,8 +134,16 @@ class _SamplerPosition:
 
 
 def accelerator_state(accelerator: Any) -> dict[str, Any]:
-    """The components ``save_state`` saves and ``load_state`` restores, by name, as live
-    objects (models unwrapped, optimizers and schedulers the wrapped torch ones)."""
+    """The components ``save_state`` saves and ``load_state`` restores, by name.
+
+    As live objects: models unwrapped, optimizers and schedulers the wrapped torch ones.
+
+    Args:
+        accelerator: The ``Accelerator`` whose prepared objects are saved.
+
+    Returns:
+        Component name -> live object, the state ``CheckpointWriter.save`` takes.
+    """
     state: dict[str, Any] = {}
     objects = prepared(accelerator)
     for i, model in enumerate(objects.models):
@@ -164,8 +171,24 @@ def save_state(
     metrics: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
-    """Snapshot the accelerator's state as ``step`` with ``writer``; returns once copied
-    (written, uploaded and retained in the background: see ``CheckpointWriter.save``)."""
+    """Snapshot the accelerator's state as ``step`` with ``writer``.
+
+    Returns once copied (written, uploaded and retained in the background: see
+    ``CheckpointWriter.save``).
+
+    Args:
+        accelerator: The ``Accelerator`` whose state is saved.
+        writer: The writer to save with.
+        step: The training step.
+        metrics: JSON values kept in the manifest.
+        metadata: JSON values kept in the manifest (the batches done, for ``rest_of_epoch``).
+
+    Returns:
+        The save's handle.
+
+    Raises:
+        CheckpointError: As ``CheckpointWriter.save`` raises.
+    """
     return writer.save(step, accelerator_state(accelerator), metrics=metrics, metadata=metadata)
 
 
@@ -176,11 +199,23 @@ def load_state(
     *,
     storage_options: Mapping[str, Any] | None = None,
 ) -> RestoreInfo:
-    """Restore the newest committed checkpoint (or ``step``) into the accelerator, all or
-    nothing; ``source`` is a writer or a root. Raises RestoreMismatchError when the
-    checkpoint's objects, shapes, samplers or devices do not fit this accelerator, and
-    CheckpointNotFoundError when nothing is committed. The returned info carries the
-    saved ``metadata`` (e.g. the batches to skip)."""
+    """Restore the newest committed checkpoint (or ``step``) into the accelerator, all or nothing.
+
+    Args:
+        accelerator: The ``Accelerator`` to restore into.
+        source: A writer, or a root (a local path or URL).
+        step: The step to restore; None: the newest committed one.
+        storage_options: fsspec options for a root ``source``.
+
+    Returns:
+        The restored checkpoint's info; it carries the saved ``metadata`` (e.g. the
+        batches to skip).
+
+    Raises:
+        RestoreMismatchError: The checkpoint's objects, shapes, samplers or devices do
+            not fit this accelerator.
+        CheckpointNotFoundError: Nothing is committed.
+    """
     targets = accelerator_state(accelerator)
     if isinstance(source, CheckpointWriter):
         return source.restore(targets, step)
@@ -188,14 +223,24 @@ def load_state(
 
 
 def rest_of_epoch(accelerator: Any, dataloader: Any, batches_done: int) -> Iterator[Any]:
-    """The batches of ``dataloader``'s current epoch after the first ``batches_done``, in
-    the order an uninterrupted run sees them, with torch's global generator where that run
+    """The batches of ``dataloader``'s current epoch after the first ``batches_done``.
+
+    In the order an uninterrupted run sees them, with torch's global generator where that run
     had it (exact when loading a batch draws no global randomness: ``num_workers=0``, or
     workers that do not use their seed); afterwards the dataloader is at the next
     epoch (``accelerator.skip_first_batches`` alone starts its epoch count again at 0).
     ``batches_done`` of ``len(dataloader)`` or more yields nothing: a save on an epoch's
     last batch restores the loader at the next epoch already. A ``save_state`` while
-    these batches are handed out records the dataloader's position as its own would."""
+    these batches are handed out records the dataloader's position as its own would.
+
+    Args:
+        accelerator: The ``Accelerator`` that prepared ``dataloader``.
+        dataloader: A prepared dataloader.
+        batches_done: Batches of the current epoch already trained.
+
+    Yields:
+        The epoch's remaining batches.
+    """
     if batches_done >= len(dataloader):
         return
     epoch = int(getattr(dataloader, "iteration", 0))

@@ -128,6 +128,16 @@ class CheckpointdIO(_Base):
     def __init__(
         self, *, restore_rng: bool = True, **writer_options: Unpack[WriterKeywords]
     ) -> None:
+        """Check the writer options once; writers open as roots are first saved to.
+
+        Args:
+            restore_rng: Whether ``load_checkpoint`` sets the process's generators to the
+                saved ones.
+            **writer_options: ``CheckpointWriter`` options for every root (no retention).
+
+        Raises:
+            InvalidArgumentError: A retention option, or an option out of range.
+        """
         refused = [name for name in _REFUSED if name in writer_options]
         if refused:
             raise InvalidArgumentError(
@@ -164,9 +174,20 @@ class CheckpointdIO(_Base):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Snapshot ``checkpoint`` into the root ``path`` and return; it is written in the
-        background. Raises at once for an unstorable value or a background error not yet
-        seen."""
+        """Snapshot ``checkpoint`` into the root ``path`` and return.
+
+        It is written in the background.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            path: The checkpoint's path, a root of its own (a local path or URL).
+            storage_options: Refused: storage options are the plugin's, given once.
+
+        Raises:
+            InvalidArgumentError: ``storage_options`` given here.
+            UnsupportedValueError: A value cannot be stored.
+            CheckpointError: A background error not yet seen.
+        """
         if storage_options is not None:
             raise InvalidArgumentError(
                 "CheckpointdIO takes storage options once: CheckpointdIO(storage_options=...)"
@@ -202,10 +223,25 @@ class CheckpointdIO(_Base):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """The dict saved last under ``path`` (tensors on CPU, or on ``map_location`` when
-        it is a device or device string); sets the RNG state when ``restore_rng``.
-        ``weights_only`` is accepted and moot: nothing is unpickled. Raises
-        CheckpointNotFoundError if nothing is committed there."""
+        """The dict saved last under ``path``.
+
+        Tensors on CPU, or on ``map_location`` when it is a device or device string; sets
+        the RNG state when ``restore_rng``.
+        Pending saves are waited for first.
+
+        Args:
+            path: The checkpoint's path (its root).
+            map_location: A device or device string for the tensors; None: CPU.
+            weights_only: Accepted and moot: nothing is unpickled.
+
+        Returns:
+            The checkpoint dict as Lightning saved it.
+
+        Raises:
+            CheckpointNotFoundError: Nothing is committed there.
+            RestoreMismatchError: The saved RNG state does not fit this process's devices
+                (with ``restore_rng``).
+        """
         root = checkpoint_root(path)
         self._resume_removals(root)
         self._deleted(root)
@@ -222,8 +258,14 @@ class CheckpointdIO(_Base):
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the root ``path`` once every save made before this call is committed
-        (a symlink, as ``save_last="link"`` makes, is removed at once, not its target)."""
+        """Delete the root ``path`` once every save made before this call is committed.
+
+        A symlink, as ``save_last="link"`` makes, is removed at once, not its target.
+        If a save made before failed, the path is kept and a CheckpointWarning says so.
+
+        Args:
+            path: The checkpoint's path (its root).
+        """
         text = os.fspath(path)
         if "://" not in text and os.path.islink(text):
             os.remove(text)
@@ -239,8 +281,11 @@ class CheckpointdIO(_Base):
         self._settle()
 
     def teardown(self) -> None:
-        """Wait for every save, run the deferred removals, close the writers; raise the
-        first save error."""
+        """Wait for every save, run the deferred removals, close the writers.
+
+        Raises:
+            CheckpointError: The first save error.
+        """
         writers, self._writers = self._writers, {}
         errors: list[BaseException] = []
         for writer in writers.values():
@@ -279,8 +324,11 @@ class CheckpointdIO(_Base):
             writer.wait()
 
     def _settle(self) -> None:
-        """Close idle writers beyond the ``tunables.LIGHTNING_OPEN_WRITERS`` most recently used (each is a
-        thread), then run every removal whose earlier saves are all resolved."""
+        """Close idle writers, then run every removal whose earlier saves are all resolved.
+
+        Idle writers beyond the ``tunables.LIGHTNING_OPEN_WRITERS`` most recently used
+        are closed (each is a thread).
+        """
         self._handles = [(root, h) for root, h in self._handles if not h.done()]
         for root in [root for root, future in self._deleting.items() if future.done()]:
             self._deleted(root)  # raises a failed deletion's error
@@ -320,8 +368,11 @@ class CheckpointdIO(_Base):
         self._deleting[root] = self._deleter.submit(job, root)
 
     def _resume_removals(self, root: str) -> None:
-        """The first time a folder of roots is touched: finish the removals a killed run
-        left there whose saves are committed (in the background); note the others."""
+        """The first time a folder of roots is touched.
+
+        Finish the removals a killed run left there whose saves are committed (in the background);
+        note the others.
+        """
         folder = root.rstrip("/").rpartition("/")[0] or "/"
         if folder in self._scanned:
             return

@@ -1,5 +1,8 @@
-"""Where a Lightning checkpoint path's checkpointd root is, and which ``last*.ckpt`` root
-is the newest (the paths half of checkpointd.integrations.lightning; imports no Lightning)."""
+"""Where a Lightning checkpoint path's checkpointd root is, and which ``last*`` is newest.
+
+Which ``last*.ckpt`` root is the newest: the paths half of
+checkpointd.integrations.lightning; imports no Lightning.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +19,14 @@ _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's last.ckpt, las
 
 
 def checkpoint_root(path: str | os.PathLike[str]) -> str:
-    """The checkpointd root a Lightning checkpoint path stands for: a URL as is, a
-    local path made absolute with symlinks resolved."""
+    """The checkpointd root a Lightning checkpoint path stands for.
+
+    Args:
+        path: A Lightning checkpoint path or URL.
+
+    Returns:
+        A URL as is, a local path made absolute with symlinks resolved.
+    """
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         return text
@@ -28,12 +37,19 @@ def checkpoint_root(path: str | os.PathLike[str]) -> str:
 def last_checkpoint(
     dirpath: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
 ) -> str | None:
-    """The ``last*.ckpt`` root under ``dirpath`` committed most recently, as a path or URL
-    for ``Trainer.fit(ckpt_path=...)``; None if there is none.
+    """The ``last*.ckpt`` root under ``dirpath`` committed most recently.
 
     For S3 and other URLs, where ``ckpt_path="last"`` finds nothing: Lightning lists
     ``dirpath`` with its own filesystem and drops the ``s3://`` of what it finds, then
-    looks for those names on the local disk. Called from any thread."""
+    looks for those names on the local disk. Called from any thread.
+
+    Args:
+        dirpath: ``ModelCheckpoint``'s folder (a local path or URL).
+        storage_options: fsspec options for ``dirpath``.
+
+    Returns:
+        The root as a path or URL for ``Trainer.fit(ckpt_path=...)``; None if there is none.
+    """
     text = os.fspath(dirpath)
     if "://" in text and not text.startswith("file://"):
         import fsspec

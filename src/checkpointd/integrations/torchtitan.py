@@ -67,9 +67,11 @@ _PER_RANK = (DATALOADER, RNG)
 
 
 class _Plain:
-    """A Stateful that hides what it wraps (an ``Optimizer`` subclass, a wrapper of
-    modules) so its own ``state_dict`` (torchtitan's FQN-keyed, flattened one) is
-    what is stored and its own ``load_state_dict`` what restores it."""
+    """A Stateful that hides what it wraps (an ``Optimizer`` subclass, a wrapper of modules).
+
+    So its own ``state_dict`` (torchtitan's FQN-keyed, flattened one) is what is stored
+    and its own ``load_state_dict`` what restores it.
+    """
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -86,6 +88,8 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
+        """torchtitan's checkpoint options, and the writer's own below them."""
+
         storage_options: dict[str, Any] = field(default_factory=dict)
         """fsspec options of the folder (S3 credentials, endpoint...)."""
 
@@ -121,6 +125,19 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
         sd_adapter: Any = None,
         base_folder: str = "",
     ) -> None:
+        """What torchtitan's trainer passes its checkpoint manager.
+
+        Args:
+            config: The checkpoint options (``[checkpoint]`` of the job config).
+            dataloader: The training dataloader (a Stateful, saved per rank).
+            model_parts: The model's parts (pipeline stages).
+            optimizers: torchtitan's optimizers container.
+            lr_schedulers: torchtitan's schedulers container.
+            states: Further components to save (``train_state``...).
+            sd_adapter: Accepted for torchtitan's contract; not used.
+            base_folder: The job's dump folder, which a local ``config.folder`` is
+                relative to.
+        """
         self.enable = config.enable
         if not self.enable:
             return
@@ -150,10 +167,18 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
 
     @property
     def storage_options(self) -> dict[str, Any] | None:
+        """The fsspec options of ``folder`` (None: none)."""
         return dict(self.config.storage_options) or None
 
     def writer(self) -> CheckpointWriter:
-        """The writer of ``folder`` (opened on the first save)."""
+        """The writer of ``folder``, opened on the first save.
+
+        Returns:
+            The manager's writer.
+
+        Raises:
+            InvalidArgumentError: A writer option out of range.
+        """
         if self._writer is None:
             options = self.config.writer_options()
             self._writer = CheckpointWriter(self.folder, **options.keywords())
@@ -167,8 +192,10 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
         return last_step or curr_step % self.config.interval == 0
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        """Snapshot the state at ``curr_step`` if the policy says so; returns after the
-        copy (written, committed and pruned in the background)."""
+        """Snapshot the state at ``curr_step`` if the policy says so.
+
+        Returns after the copy (written, committed and pruned in the background).
+        """
         if not self._should_save(curr_step, last_step):
             return False
         if last_step and self.config.last_save_model_only:
@@ -187,8 +214,10 @@ class CheckpointdManager(BaseCheckpointManager):  # type: ignore[misc]
         return True
 
     def _load(self, step: int = -1) -> bool:
-        """Restore the newest committed checkpoint of ``folder`` (or ``step``), else the
-        ``initial_load_path`` root, else nothing (False: a fresh start)."""
+        """Restore the newest committed checkpoint of ``folder`` (or ``step``).
+
+        Else the ``initial_load_path`` root, else nothing (False: a fresh start).
+        """
         root, model_only = self.folder, False
         infos = list_checkpoints(root, storage_options=self.storage_options)
         if step != -1 and step not in [i.step for i in infos]:

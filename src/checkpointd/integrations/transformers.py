@@ -90,8 +90,10 @@ else:
 
 
 class _Applied:
-    """A restore target for a component already applied (the trainer state and RNG are
-    needed before the optimizer exists): it takes the tree and does nothing."""
+    """A restore target for a component already applied: it takes the tree, does nothing.
+
+    The trainer state and RNG are needed before the optimizer exists.
+    """
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -128,6 +130,19 @@ class CheckpointdMixin(_Base):
         checkpointd_options: WriterKeywords | None = None,
         **kwargs: Any,
     ) -> None:
+        """Make the Trainer, then check the writer options.
+
+        Args:
+            *args: The Trainer class's positional arguments.
+            checkpointd_root: Where checkpoints go (a path or an fsspec URL; default
+                ``{args.output_dir}/checkpointd``).
+            checkpointd_options: ``CheckpointWriter`` options (a retention option given
+                here replaces ``save_total_limit``).
+            **kwargs: The Trainer class's keyword arguments.
+
+        Raises:
+            InvalidArgumentError: A writer option is out of range or of the wrong kind.
+        """
         super().__init__(*args, **kwargs)
         options = WriterOptions(**(checkpointd_options or {}))
         if not any(k.startswith("keep_") or k == "retention" for k in checkpointd_options or {}):
@@ -149,8 +164,14 @@ class CheckpointdMixin(_Base):
         return self.checkpointd_options.storage_options
 
     def has_checkpoint(self) -> bool:
-        """Whether the root holds a committed checkpoint: ``train(resume_from_checkpoint=
-        trainer.has_checkpoint())`` resumes when there is one and starts fresh otherwise."""
+        """Whether the root holds a committed checkpoint.
+
+        ``train(resume_from_checkpoint= trainer.has_checkpoint())`` resumes when there is one and
+        starts fresh otherwise.
+
+        Returns:
+            True if ``checkpointd_root`` holds one.
+        """
         return bool(list_checkpoints(self.checkpointd_root, storage_options=self.storage_options))
 
     def train(
@@ -159,11 +180,25 @@ class CheckpointdMixin(_Base):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
-        """Trainer's ``train``, resuming from a checkpointd checkpoint: True for the newest
-        committed one of the root, an int for that step (refused if newer ones exist
-        there), a str for the newest of that root, ``(root, step)`` for that step of
-        that root. Waits for every pending save before it returns; raises the first save
-        failure (after the training's own error, if it failed)."""
+        """Trainer's ``train``, resuming from a checkpointd checkpoint.
+
+        Waits for every pending save before it returns.
+
+        Args:
+            resume_from_checkpoint: True for the newest committed checkpoint of the root,
+                an int for that step (refused if newer ones exist there), a str for the
+                newest of that root, ``(root, step)`` for that step of that root; None or
+                False: a fresh start.
+            trial: As Trainer's.
+            ignore_keys_for_eval: As Trainer's.
+
+        Returns:
+            Trainer's ``TrainOutput``.
+
+        Raises:
+            CheckpointError: The first save failure (after the training's own error, if
+                it failed); what restoring the checkpoint raises.
+        """
         self._refuse_unsupported()
         self._checkpointd_resume = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
@@ -183,8 +218,10 @@ class CheckpointdMixin(_Base):
     # --- saving ---
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Snapshot the training state at ``state.global_step``; writing runs in the
-        background. Replaces Trainer's own checkpoint folder."""
+        """Snapshot the training state at ``state.global_step``.
+
+        Writing runs in the background. Replaces Trainer's own checkpoint folder.
+        """
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         stateful: Any = self.state.stateful_callbacks  # a dict by name, once built
@@ -243,8 +280,10 @@ class CheckpointdMixin(_Base):
     # --- resuming ---
 
     def _open_resume(self, which: bool | int | str | tuple[str, int]) -> _Resume:
-        """Load the small components (trainer state, RNG, loop) of the checkpoint to resume
-        and check that it fits this run; the rest is restored once the optimizer exists."""
+        """Load the small components (trainer state, RNG, loop) of the checkpoint to resume.
+
+        And check that it fits this run; the rest is restored once the optimizer exists.
+        """
         root, step = self.checkpointd_root, None
         if isinstance(which, tuple):
             root, step = resolve_root(which[0]), int(which[1])
@@ -291,8 +330,10 @@ class CheckpointdMixin(_Base):
         resume_from_checkpoint: str | None,
         trial: Any,
     ) -> tuple[int, int]:
-        """Trainer's fresh state, or the saved ``TrainerState``; returns the epochs done and
-        the batches of the current epoch done, as Trainer computes them."""
+        """Trainer's fresh state, or the saved ``TrainerState``.
+
+        Returns the epochs done and the batches of the current epoch done, as Trainer computes them.
+        """
         epochs, batches = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial
         )
@@ -345,8 +386,10 @@ class CheckpointdMixin(_Base):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        """Set the generators (and the loss accumulated since the last log) to the saved
-        ones, where Trainer sets its own: after skipping the batches already trained."""
+        """Set the generators (and the loss accumulated since the last log) to the saved ones.
+
+        Where Trainer sets its own: after skipping the batches already trained.
+        """
         resume = self._checkpointd_resume
         if resume is None or checkpoint != resume.marker:
             super()._load_rng_state(checkpoint)

@@ -42,8 +42,10 @@ _STORAGE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 def _unreadable(exc: Exception, path: str, what: str) -> CheckpointError:
-    """StorageError for an I/O failure of the disk, CorruptCheckpointError for the rest
-    (a reader's OSError such as EINVAL from seeking past a truncated end is damage)."""
+    """StorageError for an I/O failure of the disk, CorruptCheckpointError for the rest.
+
+    A reader's OSError such as EINVAL from seeking past a truncated end is damage.
+    """
     if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
         return translate_os_error(exc, "read", path)
     return CorruptCheckpointError(f"{path}: not a readable {what} ({brief(exc)})")
@@ -101,7 +103,8 @@ def _read_torch(path: str) -> Any:
 def read_source(source: str) -> tuple[str, Any]:
     """(kind, object) read from ``source``: ``dcp``, ``hf``, ``safetensors`` or ``torch``.
 
-    A damaged source is CorruptCheckpointError, a missing one StorageNotFoundError."""
+    A damaged source is CorruptCheckpointError, a missing one StorageNotFoundError.
+    """
     if not os.path.lexists(source):
         raise StorageNotFoundError(errno.ENOENT, f"{source}: no such file or folder")
     if os.path.isdir(source):
@@ -174,11 +177,29 @@ def import_checkpoint(
 ) -> ImportResult:
     """Read a foreign checkpoint and commit it as one checkpointd checkpoint under ``root``.
 
-    ``step`` defaults to a Lightning file's ``global_step``, else 0;
-    ``component`` puts the whole source in one component of that name
-    (otherwise: HF/safetensors -> ``model``; Lightning -> ``model``,
-    ``optimizer``, ``scheduler``, ``lightning``; a dict of str-keyed dicts ->
-    one component per key; anything else -> ``model``). Blocking.
+    Without ``component`` the source's parts become components: HF/safetensors ->
+    ``model``; Lightning -> ``model``, ``optimizer``, ``scheduler``, ``lightning``; a
+    dict of str-keyed dicts -> one component per key; anything else -> ``model``.
+    Blocking.
+
+    Args:
+        source: A ``torch.save`` file, a ``.safetensors`` file, a Hugging Face model
+            folder or a PyTorch DCP folder.
+        root: The checkpointd root to commit into (a local path or fsspec URL).
+        step: The step to commit as; None: a Lightning file's ``global_step``, else 0.
+        component: Put the whole source in one component of this name.
+        storage_options: fsspec options for ``root``.
+
+    Returns:
+        What was written: the source's kind, the step and the components.
+
+    Raises:
+        InvalidArgumentError: ``component`` is not a valid name, or the source's kind
+            is not recognised.
+        StorageNotFoundError: ``source`` does not exist.
+        CorruptCheckpointError: The source cannot be read as what it claims to be.
+        CheckpointExistsError: ``step`` is already committed under ``root``.
+        StorageError: Writing to ``root`` failed.
     """
     if component is not None and not is_component_name(component):
         raise InvalidArgumentError(f"component name {component!r} is not valid")

@@ -67,9 +67,18 @@ _log = logging.getLogger(__name__)
 class RetentionPolicy:
     """Keep a checkpoint if any rule keeps it; the newest one is always kept.
 
-    ``keep_last``: the newest N. ``keep_every``: steps divisible by K.
-    ``keep_best``: the K best by ``metrics[best_metric]`` (``best_mode`` "min" or "max").
     With no rule set, nothing is ever deleted.
+
+    Attributes:
+        keep_last: Keep the newest N.
+        keep_every: Keep steps divisible by K.
+        keep_best: Keep the K best by ``metrics[best_metric]``.
+        best_metric: The metrics key ``keep_best`` ranks by (required with it).
+        best_mode: "min" or "max": which values are best.
+
+    Raises:
+        InvalidArgumentError: A rule is not a positive int or None, ``keep_best`` has
+            no ``best_metric``, or ``best_mode`` is neither "min" nor "max".
     """
 
     keep_last: int | None = None
@@ -236,9 +245,11 @@ def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
 
 
 def delete_checkpoint(store: Store, step: int) -> bool:
-    """Remove the committed checkpoint ``step``: its manifest first, so it is never seen
-    half-deleted. Returns False (and touches nothing) if ``step`` has no manifest: its
-    folder may be a save in flight, which only gc may remove once it is old.
+    """Remove the committed checkpoint ``step``.
+
+    Its manifest first, so it is never seen half-deleted. Returns False (and touches nothing) if
+    ``step`` has no manifest: its folder may be a save in flight, which only gc may remove once it
+    is old.
 
     Once the manifest is gone the folder is not a checkpoint: if removing the
     rest fails or the process dies, what is left is a leftover for gc, which no
@@ -261,9 +272,10 @@ def delete_checkpoints(
     manifests: Mapping[int, Manifest] | None = None,
     known: dict[int, Manifest] | None = None,
 ) -> list[int]:
-    """``delete_checkpoint`` each of ``steps`` in order, then the shared blobs that only
-    they used (shared.drop_blobs: after their manifests are gone, so a crash midway
-    loses nothing a committed checkpoint needs). ``manifests``: those already read;
+    """``delete_checkpoint`` each of ``steps`` in order, then the blobs only they used.
+
+    The shared blobs go after their manifests (shared.drop_blobs), so a crash midway
+    loses nothing a committed checkpoint needs. ``manifests``: those already read;
     ``known``: a manifest cache (catalog.scan).
     Returns the steps deleted. Blocking; any thread.
     """
@@ -289,8 +301,11 @@ def delete_checkpoints(
 
 
 def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
-    """When ``step`` was committed (Unix seconds): its manifest's time where the store
-    keeps one, and never earlier than its save was called. Worker thread."""
+    """When ``step`` was committed (Unix seconds).
+
+    Its manifest's time where the store keeps one, and never earlier than its save was called.
+    Worker thread.
+    """
     created = manifest.created_at.timestamp()
     try:
         modified = store.modified(f"{step_dirname(step)}/{MANIFEST_NAME}")
@@ -306,9 +321,12 @@ def _plan(
     identity: WriterIdentity | None,
     known: dict[int, Manifest] | None,
 ) -> tuple[Checked, dict[int, Manifest]]:
-    """The checked plan for ``policy`` (soundness.py: the step just committed, ``protect``,
-    checked for presence, any other counted step read whole) and the manifests read,
-    sparing another writer's fresh checkpoints when ``identity`` is given. Worker thread."""
+    """The checked plan for ``policy``, and the manifests read.
+
+    As soundness.py checks: the step just committed, ``protect``, for presence, any other
+    counted step read whole; another writer's fresh checkpoints are spared when
+    ``identity`` is given. Worker thread.
+    """
     found = committed_manifests(store, known=known)
     manifests = dict(found)
     checkpoints = [CheckpointInfo.from_manifest(m, step_path(store, s)) for s, m in found]

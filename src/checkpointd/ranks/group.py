@@ -67,8 +67,14 @@ _writers_lock = threading.Lock()
 
 
 class PerRank:
-    """``checkpointd.PerRank(obj)``: a component whose state differs by rank (a data loader,
-    per-rank counters). Every rank writes and restores its own; never compared."""
+    """``checkpointd.PerRank(obj)``: a component whose state differs by rank.
+
+    A data loader, per-rank counters: every rank writes and restores its own; never
+    compared between ranks.
+
+    Args:
+        obj: The component (anything a component may be: a Stateful, a tree...).
+    """
 
     __slots__ = ("obj",)
 

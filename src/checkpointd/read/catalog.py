@@ -163,7 +163,18 @@ def infos(store: Store) -> list[CheckpointInfo]:
 def list_checkpoints(
     root: str, *, storage_options: Mapping[str, Any] | None = None
 ) -> list[CheckpointInfo]:
-    """Every committed checkpoint under ``root``, ascending by step."""
+    """Every committed checkpoint under ``root``, ascending by step.
+
+    Args:
+        root: A local path or fsspec URL (``s3://bucket/run``...).
+        storage_options: fsspec options for ``root`` (credentials, endpoint...).
+
+    Returns:
+        The CheckpointInfo of each committed checkpoint; empty if there is none.
+
+    Raises:
+        StorageError: The storage could not be listed or read.
+    """
     store = open_store(str(root), storage_options)
     try:
         return infos(store)

@@ -141,8 +141,11 @@ def _builds_objects(obj: Any) -> bool:
 
 
 def _select(specs: Mapping[str, SpecEntry], components: Iterable[str] | None) -> list[str]:
-    """The names to build: the requested ones, what they are built over, and the
-    optimizers and schedulers built over them; in build order."""
+    """The names to build.
+
+    The requested ones, what they are built over, and the optimizers and schedulers built over them;
+    in build order.
+    """
     for name, entry in specs.items():
         if entry.kind not in KINDS or (entry.of is not None and entry.of not in specs):
             raise CorruptCheckpointError(f"spec of {name!r} is inconsistent: {entry}")
@@ -188,13 +191,29 @@ def build(
     Models first (moved to ``map_location``), then optimizers over their model's
     parameters in the saved order, then schedulers on their optimizer; then
     every state is loaded, all or nothing (``checkpointd.restore``), and each
-    ``validators`` callable ``(name, obj, info)`` runs; if one raises,
-    ValidationFailedError and nothing is returned. ``components`` picks names
-    and brings along what they are built over and what is built over them.
-    Only import paths matching ``allow`` prefixes are imported (none by default;
-    BUILTIN_ALLOW names torch's public module, optimizer and scheduler classes;
-    private ``_`` parts never), checked before any import: UnsafeSpecError
-    otherwise. Returns name -> object. Blocking.
+    validator runs. Only import paths matching ``allow`` prefixes are imported
+    (private ``_`` parts never), checked before any import. Blocking.
+
+    Args:
+        root: A local path or fsspec URL.
+        step: The step to build; None: the newest committed one.
+        components: The names to build; each brings along what it is built over and
+            what is built over it. None: every component with a spec.
+        allow: Import path prefixes that may be imported (none by default;
+            ``BUILTIN_ALLOW`` names torch's public module, optimizer and scheduler classes).
+        storage_options: fsspec options for ``root``.
+        map_location: Where models are moved before their optimizers are built.
+        validators: Callables ``(name, obj, info)`` run on each built object.
+
+    Returns:
+        Component name -> the built object, its state loaded.
+
+    Raises:
+        UnsafeSpecError: A spec names a callable outside ``allow``, or one that cannot
+            be imported safely.
+        ValidationFailedError: A validator raised; nothing is returned.
+        CheckpointNotFoundError: Nothing (or not that step) is committed.
+        RestoreMismatchError: A built object does not take its stored state.
     """
     if isinstance(allow, str):
         raise InvalidArgumentError("allow must be a sequence of prefixes, not one string")

@@ -68,12 +68,23 @@ def check_import_path(module: str, qualname: str) -> str | None:
 def spec(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Spec:
     """Record ``target(*args, **kwargs)`` for ``save(specs=...)``.
 
-    ``target`` must be importable by its ``__module__`` and ``__qualname__``
-    (a module-level class or function). For an optimizer leave out the
-    parameters, for a scheduler the optimizer: ``build`` passes them first.
-    Arguments must be JSON values (None, bool, int, finite float, str, lists,
-    tuples and str-keyed dicts); anything else raises UnsupportedValueError
-    naming the argument. Any thread.
+    For an optimizer leave out the parameters, for a scheduler the optimizer:
+    ``build`` passes them first. Any thread.
+
+    Args:
+        target: A module-level class or function, importable by its ``__module__``
+            and ``__qualname__``.
+        *args: Its positional arguments: JSON values (None, bool, int, finite float,
+            str, lists, tuples and str-keyed dicts).
+        **kwargs: Its keyword arguments, JSON values likewise.
+
+    Returns:
+        The spec, to pass as ``save(..., specs={name: spec})``.
+
+    Raises:
+        InvalidArgumentError: ``target`` is not a module-level class or function, or
+            cannot be imported by its name.
+        UnsupportedValueError: An argument is not a JSON value (the error names it).
     """
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", None)
@@ -147,9 +158,11 @@ def _utf8(text: str) -> bool:
 def record(
     state: Mapping[str, Any], specs: Mapping[str, Any], associations: Mapping[str, str]
 ) -> dict[str, SpecEntry]:
-    """The manifest's ``specs`` for one save: kinds and associations checked against the
-    live ``state``. Raises InvalidArgumentError explaining any ambiguous or partial
-    match instead of guessing. Caller's thread, at save()."""
+    """The manifest's ``specs`` for one save.
+
+    Kinds and associations checked against the live ``state``. Raises InvalidArgumentError
+    explaining any ambiguous or partial match instead of guessing. Caller's thread, at save().
+    """
     import torch
 
     from checkpointd.state.stateful import unwrap

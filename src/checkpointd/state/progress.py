@@ -43,6 +43,12 @@ class TrainingProgress:
     ones are dropped as new ones come). ``None`` keeps everything, and each save
     then grows with the run (100k values cost about 80 ms of blocked time per
     save). Loading a checkpoint with a longer history keeps its newest values.
+
+    Args:
+        history_limit: Values kept per metric (the newest); None: all.
+
+    Raises:
+        ValueError: ``history_limit`` is not an int >= 0 or None.
     """
 
     def __init__(self, *, history_limit: int | None = tunables.DEFAULT_HISTORY_LIMIT) -> None:
@@ -78,6 +84,17 @@ class TrainingProgress:
         ``DataLoader`` without its generator cannot rewind (it draws from its own or
         torch's global generator as the epoch starts): ResumeNotExactWarning says
         what to pass.
+
+        Args:
+            loader: The epoch's batches (a DataLoader, any iterable).
+            generator: The generator the loader shuffles with, rewound to the epoch's start.
+
+        Yields:
+            The batches not consumed yet, in the loader's order.
+
+        Raises:
+            RestoreMismatchError: The progress is mid-epoch but was saved without a
+                generator, so the order cannot be rewound.
         """
         if generator is None and self.batch_in_epoch:
             _warn_not_rewound(loader, self.epoch, self.batch_in_epoch)
@@ -107,8 +124,14 @@ class TrainingProgress:
         self._epoch_start = None if generator is None else generator.get_state()
 
     def record(self, samples: int = 0, **metrics: float) -> None:
-        """Count ``samples`` more samples seen and append each metric to ``history``
-        (dropping its oldest value beyond ``history_limit``)."""
+        """Count ``samples`` more samples seen and append each metric to ``history``.
+
+        A metric's oldest value beyond ``history_limit`` is dropped.
+
+        Args:
+            samples: Samples seen since the last call.
+            **metrics: Metric name -> its value now.
+        """
         self.samples_seen += samples
         for name, value in metrics.items():
             values = self.history.setdefault(name, [])
@@ -117,7 +140,11 @@ class TrainingProgress:
                 del values[: len(values) - self.history_limit]
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values, plus the epoch-start generator state (a uint8 tensor) if any."""
+        """The progress, as a component's state tree.
+
+        Returns:
+            Plain values, plus the epoch-start generator state (a uint8 tensor) if any.
+        """
         return {
             "epoch": self.epoch,
             "step": self.step,
@@ -128,13 +155,27 @@ class TrainingProgress:
         }
 
     def check_state_dict(self, state_dict: Any) -> None:
-        """Raise RestoreMismatchError unless ``state_dict`` has exactly this class's keys."""
+        """Check ``state_dict`` has exactly this class's keys.
+
+        Args:
+            state_dict: A stored progress tree.
+
+        Raises:
+            RestoreMismatchError: It has other keys, or is not a mapping.
+        """
         if not isinstance(state_dict, Mapping) or set(state_dict) != set(_KEYS):
             got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)
             raise RestoreMismatchError(f"progress state must have keys {list(_KEYS)}, got {got}")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Take the saved progress (checked first; nothing changes if it is refused)."""
+        """Take the saved progress (checked first; nothing changes if it is refused).
+
+        Args:
+            state_dict: A stored progress tree (``state_dict()``'s).
+
+        Raises:
+            RestoreMismatchError: As ``check_state_dict``.
+        """
         self.check_state_dict(state_dict)
         start = state_dict["epoch_start_generator"]
         keep = self.history_limit

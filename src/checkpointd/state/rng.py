@@ -23,8 +23,10 @@ def _cuda_count() -> int:
 
 
 class RNGState:
-    """Captures and restores the process-wide generators: Python ``random``, NumPy's global
-    generator (``np.random.*``), torch's CPU generator and every CUDA device's generator.
+    """Captures and restores the process-wide generators.
+
+    Python ``random``, NumPy's global generator (``np.random.*``), torch's CPU generator and every
+    CUDA device's generator.
 
     Pass it as a component: ``writer.save(step, {"rng": RNGState(), ...})``. It holds
     no state itself: ``state_dict()`` reads the generators, ``load_state_dict()`` sets
@@ -36,7 +38,11 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        """The current state of every domain, as plain values and uint8/uint32 tensors."""
+        """The current state of every domain.
+
+        Returns:
+            Domain name -> its state, as plain values and uint8/uint32 tensors.
+        """
         np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
         return {
             "python": python_random_state(random.getstate()),
@@ -52,11 +58,16 @@ class RNGState:
         }
 
     def check_state_dict(self, state_dict: Any) -> None:
-        """Raise RestoreMismatchError unless ``load_state_dict`` would take ``state_dict``.
+        """Check that ``load_state_dict`` would take ``state_dict``; changes nothing.
 
         Checks the domains (no missing or unexpected ones), the CUDA device count
         and the layout of every domain against this process's generators.
-        Changes nothing.
+
+        Args:
+            state_dict: A stored RNG state tree.
+
+        Raises:
+            RestoreMismatchError: It would not be taken (the message says why).
         """
         if not isinstance(state_dict, Mapping):
             raise RestoreMismatchError(
@@ -92,8 +103,13 @@ class RNGState:
     def load_state_dict(self, state_dict: Any) -> None:
         """Set every domain from ``state_dict``, all or nothing.
 
-        Raises RestoreMismatchError (see ``check_state_dict``) before changing any
-        generator; if setting one still fails, the ones already set are put back.
+        If setting one generator fails, the ones already set are put back.
+
+        Args:
+            state_dict: A stored RNG state tree (``state_dict()``'s).
+
+        Raises:
+            RestoreMismatchError: As ``check_state_dict``, before any generator changes.
         """
         self.check_state_dict(state_dict)
         py = python_random_tuple(state_dict["python"])

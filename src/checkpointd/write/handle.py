@@ -24,9 +24,10 @@ _log = logging.getLogger(__name__)
 
 
 class SaveHandle:
-    """The outcome of one ``save()``: resolved by the writer once the checkpoint is
-    committed (or failed). ``result()`` may be called from any thread but the
-    writer's own event-loop thread; ``wait()`` from any event loop.
+    """The outcome of one ``save()``.
+
+    Resolved by the writer once the checkpoint is committed (or failed). ``result()`` may be called
+    from any thread but the writer's own event-loop thread; ``wait()`` from any event loop.
 
     In a process forked while the save was pending, the save is the parent's:
     ``result()`` and ``wait()`` raise WriterClosedError instead of waiting forever.
@@ -43,11 +44,18 @@ class SaveHandle:
         failures: Failures | None = None,
         where: str = "",
     ) -> None:
-        """Made by a writer (or the checkpoint service) for each save: ``event`` is set on
-        the loop thread ``loop_thread`` when the save resolves; ``staging`` is an
-        overlapped save's copy still running; ``failures`` is the writer's record of
-        errors not yet seen (``result()`` marks the one it raises as seen); ``where``
-        names the root in the log, as it may be shown (no credentials)."""
+        """Made by a writer (or the checkpoint service) for each save, not by its users.
+
+        Args:
+            step: The step saved.
+            started: When ``save()`` was called (``time.perf_counter()``).
+            event: Set on the loop thread ``loop_thread`` when the save resolves.
+            loop_thread: The thread that resolves it (``result()`` there would hang).
+            staging: An overlapped save's copy, still running.
+            failures: The writer's record of errors not yet seen (``result()`` marks the
+                one it raises as seen).
+            where: The root in the log, as it may be shown (no credentials).
+        """
         self.step = step
         self._where = where
         self.blocked_seconds = 0.0
@@ -65,27 +73,44 @@ class SaveHandle:
         self._staging = staging  # overlapped staging only
 
     def done(self) -> bool:
-        """True once the save is committed or has failed."""
+        """Whether the save is resolved.
+
+        Returns:
+            True once the save is committed or has failed.
+        """
         return self._done.is_set()
 
     def staged(self) -> bool:
-        """True once the state is copied into host memory, so that it may change. Always
-        True in the blocking staging mode (``save()`` returned after the copy); with
-        ``staging="overlapped"`` the copy of optimized parameters and optimizer state
-        may still run when ``save()`` returns. A failed copy counts as staged (it has
-        ended; ``result()`` raises its error). Any thread."""
+        """Whether the state is copied into host memory, so that it may change.
+
+        Always True in the blocking staging mode (``save()`` returned after the copy); with
+        ``staging="overlapped"`` the copy of optimized parameters and optimizer state may still run
+        when ``save()`` returns. A failed copy counts as staged (it has ended; ``result()`` raises
+        its error). Any thread.
+
+        Returns:
+            True once the copy has ended.
+        """
         return self._staging is None or self._staging.done()
 
     @property
     def staging(self) -> Staging | None:
-        """The background copy of an overlapped save (None with blocking staging); the
-        writer awaits it before it writes the snapshot."""
+        """The background copy of an overlapped save (None with blocking staging).
+
+        The writer awaits it before it writes the snapshot.
+        """
         return self._staging
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until ``staged()``; raise CheckpointTimeoutError if ``timeout`` runs out.
-        Any thread. Raises WriterClosedError in a process that inherited the handle
-        through fork()."""
+        """Block until ``staged()``. Any thread.
+
+        Args:
+            timeout: Seconds to wait at most; None: no limit.
+
+        Raises:
+            CheckpointTimeoutError: ``timeout`` ran out first.
+            WriterClosedError: The handle was inherited through fork().
+        """
         if self.staged():
             return
         self._check_waitable()
@@ -96,10 +121,18 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save resolves; return its CheckpointInfo or raise its error.
 
-        Raises CheckpointTimeoutError (a TimeoutError) if it is still running after
-        ``timeout`` seconds, and
-        WrongThreadError if called, while pending, on the event-loop thread that
-        resolves it (it would wait forever: use ``await handle.wait()`` there).
+        Args:
+            timeout: Seconds to wait at most; None: no limit.
+
+        Returns:
+            The committed checkpoint's CheckpointInfo.
+
+        Raises:
+            CheckpointTimeoutError: It is still running after ``timeout`` (a TimeoutError).
+            WrongThreadError: Called, while pending, on the event-loop thread that resolves
+                it (it would wait forever: use ``await handle.wait()`` there).
+            WriterClosedError: The handle was inherited through fork().
+            CheckpointError: The save's own error (marked seen).
         """
         self._block("result", timeout)
         return self._outcome()
@@ -108,14 +141,32 @@ class SaveHandle:
         """Block until the save resolves; return its error, or None once committed.
 
         Unlike ``result()`` it raises neither the error nor marks it seen: the writer's
-        ``wait()``, next ``save()`` or ``close()`` still raise it. Raises as ``result()``
-        does while waiting (CheckpointTimeoutError, WrongThreadError, WriterClosedError).
+        ``wait()``, next ``save()`` or ``close()`` still raise it.
+
+        Args:
+            timeout: Seconds to wait at most; None: no limit.
+
+        Returns:
+            The save's error, or None once it is committed.
+
+        Raises:
+            CheckpointTimeoutError: It is still running after ``timeout``.
+            WrongThreadError: Called, while pending, on the loop thread that resolves it.
+            WriterClosedError: The handle was inherited through fork().
         """
         self._block("exception", timeout)
         return self._error
 
     async def wait(self) -> CheckpointInfo:
-        """Await the save's resolution; return its CheckpointInfo or raise its error."""
+        """Await the save's resolution; return its CheckpointInfo or raise its error.
+
+        Returns:
+            The committed checkpoint's CheckpointInfo.
+
+        Raises:
+            WriterClosedError: The handle was inherited through fork().
+            CheckpointError: The save's own error (marked seen).
+        """
         if not self._done.is_set():
             self._check_waitable()
             if self._event is not None:
@@ -154,7 +205,14 @@ class SaveHandle:
 
     def resolve(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
         """The writer's side: the save committed as ``info`` or failed with ``error``.
-        Called once, by the writer's event loop (or the checkpoint service's reader)."""
+
+        Called once, by the writer's event loop (or the checkpoint service's reader); logs
+        the outcome (INFO committed, WARNING failed, under this module's logger).
+
+        Args:
+            info: The committed checkpoint's info (None if it failed).
+            error: Why it failed (None if it committed).
+        """
         self._info, self._error = info, error
         self.durable_seconds = time.perf_counter() - self._started
         if error is None and info is not None:
@@ -189,10 +247,12 @@ class Failures:
         self._unseen: list[BaseException] = []
 
     def add(self, error: BaseException) -> None:
+        """Record ``error``, not seen yet."""
         with self._lock:
             self._unseen.append(error)
 
     def observe(self, error: BaseException) -> None:
+        """Mark ``error`` seen (raised to the caller)."""
         with self._lock:
             self._unseen = [e for e in self._unseen if e is not error]
 

@@ -84,6 +84,44 @@ class WriterBase:
         join_seconds: float | None = None,
         buffer_pool: BufferPool | None = None,
     ) -> None:
+        """Open ``root`` with the writer's options, each checked here.
+
+        Each option is described in full in ``WriterOptions`` (write/options.py).
+
+        Args:
+            root: A local path (made absolute here) or fsspec URL to save under.
+            storage_options: fsspec options for ``root`` (credentials, endpoint...).
+            keep_last: Retention: keep the newest N checkpoints.
+            keep_every: Retention: keep steps divisible by K.
+            keep_best: Retention: keep the K best by ``metrics[best_metric]``.
+            best_metric: The metrics key ``keep_best`` ranks by.
+            best_mode: "min" or "max": which values of ``best_metric`` are best.
+            max_pending: Snapshots that may exist at once (one staging buffer each).
+            max_concurrency: Files of a save written at once.
+            background_niceness: Lower CPU priority of the writer's threads (Linux;
+                CheckpointWriter only).
+            newer_steps: What a save older than the newest committed step does:
+                "error", "discard" (the newer steps once it commits) or "keep".
+            retention: A RetentionPolicy, instead of the ``keep_*`` options.
+            process_group: Who saves together: None the default group's ranks, a
+                process group its ranks, ``checkpointd.LOCAL`` this process alone.
+            incremental: Write a large tensor unchanged since the previous checkpoint
+                once, then reference it.
+            staging: "blocking" or "overlapped" (optimizer-owned tensors copied while
+                training goes on).
+            service: "auto" or a checkpoint service's socket path to write through;
+                None: in this process.
+            chunk_bytes: Bytes handed to storage per write (default
+                ``tunables.CHUNK_BYTES``).
+            join_seconds: How long ranks wait for one that has not joined a save
+                (default ``tunables.JOIN_SECONDS``).
+            buffer_pool: A BufferPool shared by writers one after another.
+
+        Raises:
+            InvalidArgumentError: An option is out of range or of the wrong kind.
+            StorageError: ``root`` cannot be opened.
+            ServiceError: The checkpoint service cannot be reached (with ``service``).
+        """
         self.options = WriterOptions(
             storage_options=storage_options,
             keep_last=keep_last,
@@ -136,22 +174,27 @@ class WriterBase:
 
     @property
     def background_niceness(self) -> int:
+        """The niceness the writer's background threads run at (0: unchanged)."""
         return self.options.background_niceness
 
     @property
     def newer_steps(self) -> NewerSteps:
+        """What a save older than the newest committed step does ("error", ...)."""
         return self.options.newer_steps
 
     @property
     def incremental(self) -> bool:
+        """Whether unchanged large tensors are referenced instead of written again."""
         return self.options.incremental
 
     @property
     def staging(self) -> StagingMode:
+        """The staging mode: "blocking" or "overlapped"."""
         return self.options.staging
 
     @property
-    def service(self) -> str | None:  # "auto" or a socket path; None: in this process
+    def service(self) -> str | None:
+        """The checkpoint service written through: "auto" or a socket path; None: none."""
         return self.options.service_path
 
     def _start(self) -> None:
