@@ -51,9 +51,11 @@ _warned_lock = threading.Lock()
 
 
 def _warn_once(message: str) -> None:
-    """Log ``message`` as a warning the first time only (``build`` restores with
-    ``strict=False`` on every call); at most ``tunables.RESTORE_WARNINGS_KEPT`` distinct
-    ones are remembered."""
+    """Log ``message`` as a warning the first time only.
+
+    ``build`` restores with ``strict=False`` on every call; at most ``tunables.RESTORE_WARNINGS_KEPT`` distinct
+    ones are remembered.
+    """
     with _warned_lock:
         if message in _warned:
             return
@@ -72,8 +74,11 @@ SkippedStep = tuple[int, str]
 class Checkpoint:
     """A loaded checkpoint: ``info`` and ``state[component]`` (its state tree).
 
-    ``skipped_steps``: newer checkpoints that were damaged and passed over (only
-    with ``step=None``), newest first, each as (step, why).
+    Attributes:
+        info: What the checkpoint is (step, path, metrics...).
+        state: Component name -> its state tree (tensors, JSON values).
+        skipped_steps: Newer checkpoints that were damaged and passed over (only with
+            ``step=None``), newest first, each as (step, why).
     """
 
     info: CheckpointInfo
@@ -84,8 +89,9 @@ class Checkpoint:
 def _newest_good(
     store: Store, step: int | None, attempt: Callable[[int, Manifest], _T]
 ) -> tuple[_T, tuple[SkippedStep, ...]]:
-    """``attempt(step, manifest)`` on ``step``, or with ``step=None`` on the newest
-    committed step it succeeds on, newest first.
+    """``attempt(step, manifest)`` on ``step``, or on the newest step it succeeds on.
+
+    With ``step=None``: committed steps are tried newest first.
 
     With ``step=None`` a step whose manifest cannot be read or whose ``attempt``
     raises CorruptCheckpointError (a missing file, a size, CRC32C, header or tree
@@ -143,8 +149,10 @@ def _load_from(
     verify: bool,
     templates: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Checkpoint:
-    """Read the named components of a committed step whose manifest is already read;
-    ``templates[component]`` names the live DTensors to read only this rank's part of."""
+    """Read the named components of a committed step whose manifest is already read.
+
+    ``templates[component]`` names the live DTensors to read only this rank's part of.
+    """
     wanted = list(manifest.components) if components is None else list(components)
     missing = [name for name in wanted if name not in manifest.components]
     if missing:
@@ -188,12 +196,26 @@ def load(
 
     Tensors come back on CPU (in memory the caller owns, never a view of a
     checkpoint file, so deleting the checkpoint frees its space at once), or on
-    ``map_location``. Raises CheckpointNotFoundError
-    if nothing (or not that step, or not that component) is committed, and
-    CorruptCheckpointError if a size, digest or header check of ``step`` fails.
-    With ``step=None``, damaged checkpoints are skipped (a CheckpointWarning for
-    each, listed in ``skipped_steps``) and the newest one that reads and verifies
-    is returned; CorruptCheckpointError if none does.
+    ``map_location``. With ``step=None``, damaged checkpoints are skipped (a
+    CheckpointWarning for each, listed in ``skipped_steps``) and the newest one that
+    reads and verifies is returned. Blocking.
+
+    Args:
+        root: A local path or fsspec URL.
+        step: The step to load; None: the newest committed one that reads and verifies.
+        components: The names of the components to load; None: all of them.
+        storage_options: fsspec options for ``root`` (credentials, endpoint...).
+        map_location: A device (or its name) for the tensors; None: CPU.
+        verify: Check the bytes read against the manifest's CRC32Cs.
+
+    Returns:
+        The checkpoint: its ``info`` and ``state`` (component name -> state tree).
+
+    Raises:
+        CheckpointNotFoundError: Nothing (or not that step, or not that component) is
+            committed.
+        CorruptCheckpointError: A size, digest or header check of ``step`` fails; with
+            ``step=None``, when no committed checkpoint reads and verifies.
     """
     store = open_store(str(root), storage_options)
     try:
@@ -219,14 +241,16 @@ def load(
 class RestoreInfo(CheckpointInfo, frozen=True):
     """What ``restore`` returns: the checkpoint's ``CheckpointInfo`` plus what it did.
 
-    ``restored``: components loaded into targets. With ``strict=False``,
-    ``skipped_targets`` are targets the checkpoint has no component for, or whose
-    per-rank components another world size saved (left unchanged), and
-    ``skipped_components`` are components no target took.
-    ``skipped_steps``: with ``step=None``, newer damaged checkpoints passed over,
-    newest first, each as (step, why). ``source``: "storage", "memory" where the
-    checkpoint service's memory tier served every file read, or "memory+storage" where
-    it served some (a rank of a many-rank job; ``restore(..., service=...)``).
+    Attributes:
+        source: "storage", "memory" where the checkpoint service's memory tier served
+            every file read, or "memory+storage" where it served some (a rank of a
+            many-rank job; ``restore(..., service=...)``).
+        restored: Components loaded into targets.
+        skipped_targets: With ``strict=False``, targets the checkpoint has no component
+            for, or whose per-rank components another world size saved (left unchanged).
+        skipped_components: With ``strict=False``, components no target took.
+        skipped_steps: With ``step=None``, newer damaged checkpoints passed over, newest
+            first, each as (step, why).
     """
 
     source: str = "storage"
@@ -249,8 +273,7 @@ def restore(
     """Load a checkpoint and ``load_state_dict`` it into the live ``targets``, all or nothing.
 
     With ``strict`` (the default), every target needs a component and every
-    component a target, else RestoreMismatchError names the missing and
-    unexpected ones. With ``strict=False`` only the names both sides have are
+    component a target. With ``strict=False`` only the names both sides have are
     restored; the rest is listed in the returned ``RestoreInfo`` and logged as a
     warning on the ``checkpointd`` logger (once per distinct message). Either
     way, every component is read, verified and checked against its live target
@@ -278,6 +301,28 @@ def restore(
     torch.distributed), a sub-group its rank there (the group a writer saved with),
     ``checkpointd.LOCAL`` those of rank 0 of 1. DTensors reshard by their own meshes;
     restore itself makes no collective call.
+
+    Args:
+        root: A local path or fsspec URL.
+        targets: Component name -> the live object to restore into (a module, an
+            optimizer, a Stateful, a dict of tensors...).
+        step: The step to restore; None: the newest committed one that reads and verifies.
+        storage_options: fsspec options for ``root`` (credentials, endpoint...).
+        strict: Require a component for every target and a target for every component.
+        service: "auto" or a checkpoint service's socket path, to read a held copy
+            from memory; None: storage only.
+        process_group: Whose per-rank components this process gets (see above).
+
+    Returns:
+        The restored checkpoint's CheckpointInfo, with what was restored and skipped
+        and where the bytes came from (``source``).
+
+    Raises:
+        RestoreMismatchError: A target and the checkpoint do not match (names with
+            ``strict``, or a target rejects its state); every target is as it was.
+        CheckpointNotFoundError: Nothing (or not that step) is committed.
+        CorruptCheckpointError: A file of the step fails its checks; with
+            ``step=None``, when no committed checkpoint reads and verifies.
     """
     place = place_in(process_group)
     root = resolve_root(str(root))  # the service's working folder is not this process's
@@ -313,8 +358,11 @@ def restore_from(
     source: str = "storage",
     place: tuple[int, int] = (0, 1),
 ) -> RestoreInfo:
-    """``restore`` from an open ``store`` (closed here); ``source`` goes in the info,
-    ``place`` is this process's (rank, world size) in the group that restores."""
+    """``restore`` from an open ``store`` (closed here).
+
+    ``source`` goes in the info, ``place`` is this process's (rank, world size) in the group that
+    restores.
+    """
     try:
 
         def attempt(found: int, manifest: Manifest) -> Prepared:

@@ -1,6 +1,7 @@
-"""``AsyncCheckpointWriter``: the async front end, running the background write service
-as a task in the caller's loop (asyncio or trio) and its blocking I/O in worker threads;
-otherwise as ``CheckpointWriter`` (writer.py).
+"""``AsyncCheckpointWriter``.
+
+The async front end, running the background write service as a task in the caller's loop (asyncio or
+trio) and its blocking I/O in worker threads; otherwise as ``CheckpointWriter`` (writer.py).
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ class AsyncCheckpointWriter(WriterBase):
     _group: TaskGroup | None = None
 
     def _start(self) -> None:
-        """The service starts in ``__aenter__``; here only the table of each pending save's
-        event (set on this loop when it resolves), for ``_drain``."""
+        """The service starts in ``__aenter__``.
+
+        Here only the table of each pending save's event (set on this loop when it resolves), for
+        ``_drain``.
+        """
         self._events: weakref.WeakKeyDictionary[SaveHandle, anyio.Event] = (
             weakref.WeakKeyDictionary()
         )
@@ -84,6 +88,22 @@ class AsyncCheckpointWriter(WriterBase):
         """Snapshot ``state`` for ``step`` (on the loop's thread) and write it in the background.
 
         Returns once the snapshot is taken; see ``CheckpointWriter.save``.
+
+        Args:
+            step: The training step, as for ``CheckpointWriter.save``.
+            state: Component name -> live object or tree, as for ``CheckpointWriter.save``.
+            metrics: JSON values kept in the manifest (``keep_best`` ranks by one).
+            metadata: JSON values kept in the manifest.
+            specs: Component name -> ``checkpointd.spec(...)``, for ``checkpointd.build``.
+            associations: Component name -> the component it is built over.
+
+        Returns:
+            The save's handle: ``await handle.wait()`` until it is committed.
+
+        Raises:
+            WriterClosedError: Not inside ``async with``, closed, or inherited through fork().
+            CheckpointError: As ``CheckpointWriter.save`` raises (a bad step or value, a
+                background error not yet seen).
         """
         started = time.perf_counter()
         if self._group is None and not self._closed and not self._inherited:
@@ -112,8 +132,17 @@ class AsyncCheckpointWriter(WriterBase):
         return handle
 
     async def wait_staged(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait until the latest save's state is all in host memory; see
-        ``CheckpointWriter.wait_staged``."""
+        """Wait until the latest save's state is all in host memory.
+
+        See ``CheckpointWriter.wait_staged``.
+
+        Args:
+            timeout: Seconds to wait at most; None: no limit.
+
+        Raises:
+            CheckpointTimeoutError: ``timeout`` ran out first.
+            WriterClosedError: The writer is closed, or inherited through fork().
+        """
         self._check_usable()
         stager = self._stager
         if stager is not None and not await anyio.to_thread.run_sync(stager.wait, timeout):
@@ -133,8 +162,14 @@ class AsyncCheckpointWriter(WriterBase):
     async def wait(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - as the sync API
         """Wait until every pending save is resolved; raise the first error not yet seen.
 
-        Raises CheckpointTimeoutError (a TimeoutError, as the sync writer) if saves
-        are still running after ``timeout`` seconds; they go on in the background.
+        Args:
+            timeout: Seconds to wait at most; None: no limit. Saves still running then
+                go on in the background.
+
+        Raises:
+            CheckpointTimeoutError: Saves are still running after ``timeout`` (a
+                TimeoutError, as the sync writer's).
+            CheckpointError: The first background error not yet seen.
         """
         if self._inherited:
             self._check_usable()
@@ -146,7 +181,11 @@ class AsyncCheckpointWriter(WriterBase):
         self._service.failures.raise_first()
 
     async def aclose(self) -> None:
-        """Wait for pending saves, stop the service, then raise an error not yet seen."""
+        """Wait for pending saves, stop the service, then raise an error not yet seen.
+
+        Raises:
+            CheckpointError: The first background error not yet seen.
+        """
         if self._closed or self._group is None or self._inherited:
             self._closed = True
             return
@@ -175,7 +214,14 @@ class AsyncCheckpointWriter(WriterBase):
                 raise
 
     async def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint under this writer's root, ascending by step."""
+        """Every committed checkpoint under this writer's root, ascending by step.
+
+        Returns:
+            The CheckpointInfo of each; pending saves are not listed.
+
+        Raises:
+            StorageError: The storage could not be listed or read.
+        """
         return await anyio.to_thread.run_sync(self._list)
 
     async def load(
@@ -186,12 +232,42 @@ class AsyncCheckpointWriter(WriterBase):
         map_location: str | torch.device | None = None,
         verify: bool = True,
     ) -> Checkpoint:
-        """``checkpointd.load`` on this writer's root and storage options (in a worker thread)."""
+        """``checkpointd.load`` on this writer's root and storage options (in a worker thread).
+
+        Args:
+            step: The step to load; None: the newest committed one that reads and verifies.
+            components: The names of the components to load; None: all of them.
+            map_location: A device (or its name) for the tensors; None: CPU.
+            verify: Check the bytes read against the manifest's CRC32Cs.
+
+        Returns:
+            The checkpoint: its ``info`` and ``state``.
+
+        Raises:
+            CheckpointNotFoundError: Nothing (or not that step or component) is committed.
+            CorruptCheckpointError: The checkpoint read fails its checks.
+        """
         return await anyio.to_thread.run_sync(self._load, step, components, map_location, verify)
 
     async def restore(
         self, targets: Mapping[str, Any], step: int | None = None, *, strict: bool = True
     ) -> RestoreInfo:
-        """``checkpointd.restore`` on this writer's root and storage options (in a worker
-        thread; nothing else may use ``targets`` until it returns)."""
+        """``checkpointd.restore`` on this writer's root and storage options.
+
+        In a worker thread: nothing else may use ``targets`` until it returns.
+
+        Args:
+            targets: Component name -> the live object to restore into.
+            step: The step to restore; None: the newest committed one.
+            strict: Require a component for every target and a target for every component.
+
+        Returns:
+            The restored checkpoint's info, with what was restored and skipped.
+
+        Raises:
+            RestoreMismatchError: A target and the checkpoint do not match; every
+                target is as it was.
+            CheckpointNotFoundError: Nothing (or not that step) is committed.
+            CorruptCheckpointError: The checkpoint read fails its checks.
+        """
         return await anyio.to_thread.run_sync(self._restore, targets, step, strict)

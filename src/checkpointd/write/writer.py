@@ -1,5 +1,6 @@
-"""The checkpoint writer: the sync front end over the background write service (the
-async one is async_writer.py).
+"""The checkpoint writer.
+
+The sync front end over the background write service (the async one is async_writer.py).
 
 ``save()`` captures the state on the caller's thread and queues the snapshot;
 the service (loop.py) writes queued snapshots one at a time, in order, each
@@ -88,10 +89,30 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         ``staging="overlapped"``: once the parameters and optimizer state still being
         copied are guarded by the optimizers' step pre-hooks; see ``wait_staged``).
         Blocks first while ``max_pending`` saves are in flight; interrupted there
-        (Ctrl-C), it leaves the writer as it was. Raises at once for a bad or
-        out-of-order step (see ``newer_steps``), an unstorable value or oversized
-        metrics/metadata, and raises a background error not yet seen. ``specs`` (name ->
-        ``checkpointd.spec(...)``) and ``associations`` are stored for ``checkpointd.build``.
+        (Ctrl-C), it leaves the writer as it was. Training thread.
+
+        Args:
+            step: The training step, an int from 0; later saves need later steps (see
+                ``newer_steps``).
+            state: Component name -> a module, optimizer, scheduler, Stateful, tensor or
+                tree of JSON values and tensors.
+            metrics: JSON values kept in the manifest (``keep_best`` ranks by one).
+            metadata: JSON values kept in the manifest.
+            specs: Component name -> ``checkpointd.spec(...)``, for ``checkpointd.build``.
+            associations: Component name -> the component it is built over, for
+                ``checkpointd.build``.
+
+        Returns:
+            The save's handle: ``result()`` waits until it is committed.
+
+        Raises:
+            InvalidArgumentError: ``step`` is not a valid step, or metrics/metadata are
+                not plain JSON or too large.
+            StepOrderError: ``step`` is older than a committed or pending one.
+            CheckpointExistsError: ``step`` is committed or being saved already.
+            UnsupportedValueError: A value in ``state`` cannot be stored.
+            WriterClosedError: The writer is closed, or inherited through fork().
+            CheckpointError: A background error not yet seen (an earlier save's).
         """
         started = time.perf_counter()
         with self._attempt(step) as attempt:
@@ -116,13 +137,20 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         return handle
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the latest save's state is all in host memory, so that any of its
-        tensors may change (with ``staging="overlapped"``; at once otherwise).
+        """Block until the latest save's state is all in host memory.
+
+        Then any of its tensors may change (with ``staging="overlapped"``; at once otherwise).
 
         For changes other than ``optimizer.step()`` to parameters or optimizer state.
-        Raises CheckpointTimeoutError if ``timeout`` runs out. A copy that failed
-        ends staging too: its error fails the save's handle and is raised by
-        ``wait()``, the next ``save()`` or ``close()``. Training thread.
+        A copy that failed ends staging too: its error fails the save's handle and is
+        raised by ``wait()``, the next ``save()`` or ``close()``. Training thread.
+
+        Args:
+            timeout: Seconds to wait at most; None: no limit.
+
+        Raises:
+            CheckpointTimeoutError: ``timeout`` ran out first.
+            WriterClosedError: The writer is closed, or inherited through fork().
         """
         self._wait_staged(timeout)
 
@@ -135,6 +163,13 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         ``save_if_preempted``. ``close()`` puts the previous handlers back.
         With many ranks, every rank watches and calls ``save_if_preempted`` at
         every step boundary: the ranks agree there.
+
+        Args:
+            signals: The signal numbers to watch.
+
+        Raises:
+            InvalidArgumentError: No signal given, or not called from the main thread.
+            WriterClosedError: The writer is closed, or inherited through fork().
         """
         from checkpointd.write.preemption import PreemptionWatch
 
@@ -149,8 +184,7 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         return self._preemption is not None and self._preemption.triggered
 
     def save_if_preempted(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> bool:
-        """If ``preempted``: save ``step`` (``save``'s keywords) and wait until every
-        save is durable, then return True; else return False at once.
+        """Save ``step`` and wait until every save is durable if ``preempted``.
 
         Saves once per writer: later calls return True without saving again. A
         second signal during the save only sets the flag again, so the save
@@ -158,6 +192,18 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         Call from the training thread at a step boundary. With many ranks it is
         a collective (one small all_reduce on the writer's process group, only
         while watching): if any rank was signalled, every rank saves this step.
+
+        Args:
+            step: The step to save, as for ``save``.
+            state: The state to save, as for ``save``.
+            **kwargs: ``save``'s keywords (``metrics``, ``metadata``...).
+
+        Returns:
+            True if it saved (now or in an earlier call) and every save is durable;
+            False at once if no preemption signal arrived.
+
+        Raises:
+            CheckpointError: As ``save`` and ``wait`` raise.
         """
         if self._preemption is None:
             return False
@@ -177,8 +223,15 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is resolved; raise the first error not yet seen.
 
-        Raises CheckpointTimeoutError (a TimeoutError) if saves are still running
-        after ``timeout`` seconds; they go on in the background.
+        Args:
+            timeout: Seconds to wait at most; None: no limit. Saves still running then
+                go on in the background.
+
+        Raises:
+            CheckpointTimeoutError: Saves are still running after ``timeout`` (a
+                TimeoutError).
+            CheckpointError: The first background error not yet seen.
+            WriterClosedError: The writer was inherited through fork().
         """
         if self._inherited:
             self._check_usable()
@@ -195,7 +248,11 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     def close(self) -> None:
         """Wait for pending saves, stop the service, then raise an error not yet seen.
 
-        Does nothing in a process that inherited the writer through fork.
+        Does nothing in a process that inherited the writer through fork, or when the
+        writer is closed already.
+
+        Raises:
+            CheckpointError: The first background error not yet seen.
         """
         if self._closed:
             return
@@ -224,7 +281,14 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
                 raise  # otherwise the body's exception is the one to report
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint under this writer's root, ascending by step."""
+        """Every committed checkpoint under this writer's root, ascending by step.
+
+        Returns:
+            The CheckpointInfo of each; pending saves are not listed.
+
+        Raises:
+            StorageError: The storage could not be listed or read.
+        """
         return self._list()
 
     def load(
@@ -235,11 +299,40 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         map_location: str | torch.device | None = None,
         verify: bool = True,
     ) -> Checkpoint:
-        """``checkpointd.load`` on this writer's root and storage options."""
+        """``checkpointd.load`` on this writer's root and storage options.
+
+        Args:
+            step: The step to load; None: the newest committed one that reads and verifies.
+            components: The names of the components to load; None: all of them.
+            map_location: A device (or its name) for the tensors; None: CPU.
+            verify: Check the bytes read against the manifest's CRC32Cs.
+
+        Returns:
+            The checkpoint: its ``info`` and ``state``.
+
+        Raises:
+            CheckpointNotFoundError: Nothing (or not that step or component) is committed.
+            CorruptCheckpointError: The checkpoint read fails its checks.
+        """
         return self._load(step, components, map_location, verify)
 
     def restore(
         self, targets: Mapping[str, Any], step: int | None = None, *, strict: bool = True
     ) -> RestoreInfo:
-        """``checkpointd.restore`` on this writer's root and storage options."""
+        """``checkpointd.restore`` on this writer's root and storage options.
+
+        Args:
+            targets: Component name -> the live object to restore into.
+            step: The step to restore; None: the newest committed one.
+            strict: Require a component for every target and a target for every component.
+
+        Returns:
+            The restored checkpoint's info, with what was restored and skipped.
+
+        Raises:
+            RestoreMismatchError: A target and the checkpoint do not match; every
+                target is as it was.
+            CheckpointNotFoundError: Nothing (or not that step) is committed.
+            CorruptCheckpointError: The checkpoint read fails its checks.
+        """
         return self._restore(targets, step, strict)
