@@ -12,7 +12,7 @@ import pytest
 
 from checkpointd.storage import LocalStore
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.loop import WriteService
+from checkpointd.write.loop import InProcessBackend
 
 
 def hold_local_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
@@ -32,16 +32,16 @@ def hold_local_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 class OnLoop:
     """Runs calls on a writer's event-loop thread: each queued call runs when the next
-    save is handed to the write service (``WriteService.submit`` runs on that loop),
+    save is handed to the in-process backend (``InProcessBackend.submit`` runs on that loop),
     and its outcome (its result, awaited if it is awaitable, or the exception it
     raised) is appended to ``outcomes``. For tests of what happens on that thread."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.queued: list[Callable[[], Any]] = []
         self.outcomes: list[Any] = []
-        real = WriteService.submit
+        real = InProcessBackend.submit
 
-        async def submit(service: WriteService, snapshot: Any, handle: SaveHandle) -> None:
+        async def submit(service: InProcessBackend, snapshot: Any, handle: SaveHandle) -> None:
             while self.queued:
                 call = self.queued.pop(0)
                 try:
@@ -53,4 +53,4 @@ class OnLoop:
                 self.outcomes.append(outcome)
             await real(service, snapshot, handle)
 
-        monkeypatch.setattr(WriteService, "submit", submit)
+        monkeypatch.setattr(InProcessBackend, "submit", submit)

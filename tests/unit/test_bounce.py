@@ -135,8 +135,9 @@ def test_stream_lands_every_byte_and_checksums_the_whole(monkeypatch: pytest.Mon
     with Bounce() as staging:
         items = [header, Piece(first, 10), middle, Piece(last, 123)]
         digest = staging.stream(read, items)
-        assert staging.held_bytes() == 14  # two blocks of 7, whatever the file's size
-    assert staging.held_bytes() == 0
+        blocks = staging._blocks  # noqa: SLF001
+        assert [b.numel() for b in blocks] == [7, 7]  # two blocks of 7, whatever the size
+    assert staging._blocks == []  # noqa: SLF001 - freed by close
     assert digest == crc32c(data)
     assert bytes(first.numpy()) == data[10:100]
     assert bytes(last.numpy()) == data[123:]

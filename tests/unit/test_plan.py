@@ -21,7 +21,7 @@ from checkpointd.read.catalog import read_manifest
 from checkpointd.read.restore import load
 from checkpointd.storage import LocalStore
 from checkpointd.write.capture import StagingBuffer, capture
-from checkpointd.write.commit import commit_plan
+from checkpointd.write.commit import info_of, publish_plan
 from checkpointd.write.handle import first_leaf
 from checkpointd.write.items import (
     KeepBlob,
@@ -81,9 +81,9 @@ def test_commit_writes_any_plan_it_is_given(tmp_path: Path) -> None:
     identity = WriterIdentity()
 
     async def commit() -> CheckpointInfo:
-        return await commit_plan(
-            store, plan, anyio.CapacityLimiter(2), identity=identity, chunk_bytes=2**20
-        )
+        limiter = anyio.CapacityLimiter(2)
+        manifest = await publish_plan(store, plan, limiter, identity=identity, chunk_bytes=2**20)
+        return info_of(store, manifest)
 
     info = anyio.run(commit)
 
@@ -101,7 +101,7 @@ def test_a_planned_snapshot_commits_and_loads(tmp_path: Path) -> None:
     plan = plan_snapshot(_snapshot(3))
 
     async def commit() -> None:
-        await commit_plan(store, plan, anyio.CapacityLimiter(4), chunk_bytes=2**20)
+        await publish_plan(store, plan, anyio.CapacityLimiter(4), chunk_bytes=2**20)
 
     anyio.run(commit)
     checkpoint = load(str(tmp_path))
@@ -165,9 +165,10 @@ def test_commit_writes_new_blobs_and_checks_kept_ones(tmp_path: Path) -> None:
 
     def commit(step: int, copy: bytes | None) -> CheckpointInfo:
         async def run() -> CheckpointInfo:
-            return await commit_plan(
+            manifest = await publish_plan(
                 store, plan(step, copy), anyio.CapacityLimiter(2), chunk_bytes=2**20
             )
+            return info_of(store, manifest)
 
         return anyio.run(run)
 

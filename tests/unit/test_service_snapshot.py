@@ -1,6 +1,7 @@
 """A snapshot with DTensor shards, described by the trainer and rebuilt by the service
-(daemon/snapshot.py): the rebuilt snapshot plans the very files the original does, and
-a description whose shards do not fit the segment or the tensor is a ProtocolError."""
+(daemon/snapshot.py) with the layout its writer sent in ``OpenWriter``: the rebuilt
+snapshot plans the very files the original does, and a description whose shards do
+not fit the segment or the tensor is a ProtocolError."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from checkpointd import tunables
 from checkpointd.daemon import protocol as p
 from checkpointd.daemon.snapshot import describe, rebuild
+from checkpointd.errors import InvalidArgumentError
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import DIRECT_ALIGN, SaveLayout
@@ -53,6 +55,14 @@ def _over_the_wire(desc: p.SnapshotDesc) -> p.SnapshotDesc:
     return message.snapshot
 
 
+def _opened(layout: SaveLayout) -> SaveLayout:
+    """``layout`` as the service reads it from the trainer's ``OpenWriter``."""
+    message = p.decode(p.encode(p.OpenWriter(1, root="/r", layout=layout))[4:])
+    assert isinstance(message, p.OpenWriter)
+    assert message.layout is not None
+    return message.layout
+
+
 def _files(snapshot: Snapshot) -> dict[str, bytes]:
     plan = plan_snapshot(snapshot, "tok", world_size=2)
     return {f.name: b"".join(bytes(part) for part in f.parts) for f in plan.files}
@@ -60,7 +70,7 @@ def _files(snapshot: Snapshot) -> dict[str, bytes]:
 
 def test_a_rebuilt_sharded_snapshot_plans_the_same_files_and_entries() -> None:
     snapshot, arena = _snapshot()
-    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena, _opened(snapshot.layout))
     (component,) = rebuilt.components
     assert component.shards == snapshot.components[0].shards
     assert component.shard_entries == snapshot.components[0].shard_entries
@@ -78,9 +88,9 @@ def test_the_trainers_shard_block_size_travels_with_the_snapshot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tunables, "SHARD_BLOCK_BYTES", 16)
-    snapshot, arena = _snapshot()  # made at 16 bytes a block, as save() makes it
+    snapshot, arena = _snapshot()  # made at 16 bytes a block, as its writer was
     monkeypatch.setattr(tunables, "SHARD_BLOCK_BYTES", 8 * 2**20)  # the service's own
-    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena, _opened(snapshot.layout))
     assert rebuilt.layout.shard_block == 16
     entries = plan_snapshot(rebuilt, "tok", world_size=2).components["model"].sharded
     (shard,) = entries["p"].shards
@@ -97,7 +107,7 @@ def test_the_trainers_direct_io_threshold_travels_with_the_snapshot(
     monkeypatch.setattr(tunables, "DIRECT_MIN_BYTES", 1)  # every data region aligned
     snapshot, arena = _snapshot()
     monkeypatch.setattr(tunables, "DIRECT_MIN_BYTES", 2**20)  # the service's own
-    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena, _opened(snapshot.layout))
     assert rebuilt.layout.direct_min == 1
     files = _files(rebuilt)
     assert files == _files(snapshot)
@@ -112,7 +122,7 @@ def test_the_trainers_shard_index_threshold_travels_with_the_snapshot(
     monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 0)  # index files at any size
     snapshot, arena = _snapshot()
     monkeypatch.setattr(tunables, "SHARD_INDEX_MIN_ENTRIES", 4096)  # the service's own
-    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena)
+    rebuilt = rebuild(_over_the_wire(describe(snapshot)), arena, _opened(snapshot.layout))
     assert rebuilt.layout.shard_index_min == 0
     assert indexed(plan_snapshot(rebuilt, "tok", world_size=2), 2)
     assert not indexed(plan_snapshot(_snapshot()[0], "tok", world_size=2), 2)  # made at 4096
@@ -131,26 +141,41 @@ def test_the_trainers_whole_layout_travels_with_the_snapshot(
     for name in ("SHARD_BLOCK_BYTES", "DIRECT_MIN_BYTES", "SHARD_INDEX_MIN_ENTRIES"):
         monkeypatch.setattr(tunables, name, 2**20)  # the service's own
     monkeypatch.setattr(tunables, "INCREMENTAL_MIN_BYTES", 2**20)
-    assert rebuild(_over_the_wire(describe(snapshot)), arena).layout == sent
-    unsent = msgspec.structs.replace(describe(snapshot), layout=None)  # an older client's
-    assert rebuild(_over_the_wire(unsent), arena).layout == SaveLayout.now()
+    assert rebuild(_over_the_wire(describe(snapshot)), arena, _opened(sent)).layout == sent
+    unsent = p.decode(p.encode(p.OpenWriter(1, root="/r"))[4:])  # an older client's
+    assert isinstance(unsent, p.OpenWriter)
+    assert unsent.layout is None
 
 
 def test_more_shard_blocks_than_a_manifest_can_list_is_a_protocol_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     snapshot, arena = _snapshot()
-    desc = _layout(describe(snapshot), shard_block=1)  # 48 blocks
+    desc = describe(snapshot)
+    layout = msgspec.structs.replace(snapshot.layout, shard_block=1)  # 48 blocks
     monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 64)  # room for 32 CRC32Cs at most
     with pytest.raises(p.ProtocolError, match="48 shard blocks"):
-        rebuild(_over_the_wire(desc), arena)
+        rebuild(_over_the_wire(desc), arena, layout)
     monkeypatch.setattr(tunables, "MAX_MANIFEST_BYTES", 96)
-    assert rebuild(_over_the_wire(desc), arena).layout.shard_block == 1
+    assert rebuild(_over_the_wire(desc), arena, layout).layout.shard_block == 1
 
 
-def _layout(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
-    assert desc.layout is not None
-    return msgspec.structs.replace(desc, layout=msgspec.structs.replace(desc.layout, **changes))
+BAD_LAYOUTS = {
+    "a shard block of 0 bytes": {"shard_block": 0},
+    "a negative shard block": {"shard_block": -8},
+    "a negative direct I/O threshold": {"direct_min": -1},
+    "a negative shard index threshold": {"shard_index_min": -1},
+    "a negative incremental threshold": {"incremental_min": -1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LAYOUTS))
+def test_a_layout_out_of_range_is_refused(name: str) -> None:
+    """What the service checks of an ``OpenWriter``'s layout before it opens the writer."""
+    layout = msgspec.structs.replace(SaveLayout.now(), **BAD_LAYOUTS[name])
+    with pytest.raises(InvalidArgumentError):
+        _opened(layout).check()
+    SaveLayout.now().check()
 
 
 def _component(desc: p.SnapshotDesc, **changes: Any) -> p.SnapshotDesc:
@@ -182,11 +207,6 @@ HOSTILE = {
     "fewer offsets than dimensions": lambda d: _shard(d, 0, offsets=[3]),
     "unknown dtype": lambda d: _shard(d, 1, dtype="F128"),
     "a shard twice": lambda d: _component(d, shards=[d.components[0].shards[0]] * 2),
-    "a shard block of 0 bytes": lambda d: _layout(d, shard_block=0),
-    "a negative shard block": lambda d: _layout(d, shard_block=-8),
-    "a negative direct I/O threshold": lambda d: _layout(d, direct_min=-1),
-    "a negative shard index threshold": lambda d: _layout(d, shard_index_min=-1),
-    "a negative incremental threshold": lambda d: _layout(d, incremental_min=-1),
 }
 
 
@@ -195,4 +215,4 @@ def test_a_shard_description_that_does_not_fit_is_a_protocol_error(name: str) ->
     snapshot, arena = _snapshot()
     desc = HOSTILE[name](describe(snapshot))
     with pytest.raises(p.ProtocolError):
-        rebuild(_over_the_wire(desc), arena)
+        rebuild(_over_the_wire(desc), arena, snapshot.layout)

@@ -18,7 +18,7 @@ import torch
 import checkpointd
 from checkpointd import CheckpointWriter, SaveHandle
 from checkpointd.write.capture import StagingBuffer
-from checkpointd.write.loop import WriteService
+from checkpointd.write.loop import InProcessBackend
 from tests.support.gates import OnLoop, hold_local_writes
 
 
@@ -117,10 +117,10 @@ def _interrupt_main_once_save_waits(monkeypatch: pytest.MonkeyPatch) -> threadin
     main = threading.main_thread().ident
     assert main is not None
     asked = threading.Event()
-    real = WriteService.acquire_buffer
+    real = InProcessBackend.acquire_buffer
     calls = 0
 
-    async def acquire_buffer(service: WriteService) -> StagingBuffer:
+    async def acquire_buffer(service: InProcessBackend) -> StagingBuffer:
         nonlocal calls
         calls += 1
         if calls == 2:
@@ -129,7 +129,7 @@ def _interrupt_main_once_save_waits(monkeypatch: pytest.MonkeyPatch) -> threadin
             asked.set()
         return await real(service)
 
-    monkeypatch.setattr(WriteService, "acquire_buffer", acquire_buffer)
+    monkeypatch.setattr(InProcessBackend, "acquire_buffer", acquire_buffer)
 
     def run() -> None:
         asked.wait(60)

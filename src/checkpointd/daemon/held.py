@@ -33,7 +33,7 @@ from checkpointd.format.manifest import FileEntry, decode_manifest
 from checkpointd.ranks.merge import shard_index, written_shards
 from checkpointd.write.capture import CapturedComponent
 from checkpointd.write.items import RankFile, WriteFile
-from checkpointd.write.loop import WriteService
+from checkpointd.write.loop import InProcessBackend
 from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 from . import protocol as p
@@ -46,14 +46,14 @@ __all__ = ["Committed", "held_checkpoint"]
 @dataclass(frozen=True)
 class Committed:
     """What a save committed: its plan, and the entries (size, CRC32C) of the files this
-    process wrote of it (``WriteService.committed_plan``)."""
+    process wrote of it (``InProcessBackend.committed_plan``)."""
 
     plan: SavePlan
     written: list[FileEntry]
 
 
 def held_checkpoint(
-    service: WriteService,
+    service: InProcessBackend,
     snapshot: Snapshot,
     committed: Committed | None,
     segment: MappedSegment,
@@ -68,7 +68,7 @@ def held_checkpoint(
 
 
 def _held_alone(
-    service: WriteService, snapshot: Snapshot, segment: MappedSegment
+    service: InProcessBackend, snapshot: Snapshot, segment: MappedSegment
 ) -> HeldCheckpoint | None:
     """A single-process save: the manifest it published (read back) and, per listed
     file, its head and its range of the segment; None if the manifest lists anything
@@ -103,7 +103,7 @@ def _held_alone(
 
 
 def _held_share(
-    service: WriteService, snapshot: Snapshot, committed: Committed, segment: MappedSegment
+    service: InProcessBackend, snapshot: Snapshot, committed: Committed, segment: MappedSegment
 ) -> HeldCheckpoint | None:
     """One rank's share of a many-rank save (see the module docstring); None if it
     holds no file."""

@@ -70,11 +70,16 @@ class _Msg(msgspec.Struct, tag=True, tag_field="kind", forbid_unknown_fields=Tru
 
 
 class OpenWriter(_Msg):
-    """Start a write service for one writer: its root, storage and retention options."""
+    """Start a writer in the service: its target (root, storage options, layout: the
+    trainer's ``SaveTarget``, sent once) and its retention and write options."""
 
     id: int
     root: str
     storage_options: dict[str, Any] | None = None
+    layout: SaveLayout | None = None
+    """The tunables that decide every save's files, the trainer's when it made the writer
+    (shard block, direct I/O, shard index and incremental thresholds); None: the
+    service's own, read when the writer opens."""
     keep_last: int | None = None
     keep_every: int | None = None
     keep_best: int | None = None
@@ -142,7 +147,8 @@ class ComponentDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything ``plan.Snapshot`` holds but the staging buffer (the segment)."""
+    """Everything ``plan.Snapshot`` holds but the staging buffer (the segment) and the
+    layout (its writer's, ``OpenWriter.layout``)."""
 
     step: int
     created_at: datetime
@@ -153,9 +159,6 @@ class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_rank: dict[str, str] = msgspec.field(default_factory=dict)
     attempt: int = 0
     rank: int = 0
-    layout: SaveLayout | None = None
-    """The tunables that decide the save's files, the trainer's at ``save()`` (shard
-    block, direct I/O, shard index and incremental thresholds); None: the service's."""
 
 
 class Submit(_Msg):

@@ -1,7 +1,7 @@
-"""The writer's side of a save through the service: a stand-in for ``WriteService``.
+"""The service backend: a writer's saves made durable by the checkpoint service.
 
-``CheckpointWriter(root, service=...)`` runs a ``RemoteService`` where it would
-run its in-process write service. ``save()`` works as always: a staging buffer
+``CheckpointWriter(root, service=...)`` runs a ``ServiceBackend`` where it would
+run the in-process one (both are ``write/backend.WriteBackend``s). ``save()`` works as always: a staging buffer
 is acquired (at most ``max_pending`` saves in flight), the state is captured by
 today's capture code into it (the buffer's arena is a fresh segment of the
 service's shared memory, asked for at the size capture needs), then ``submit``
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -32,7 +33,7 @@ from anyio.abc import TaskStatus
 from checkpointd.errors import InvalidArgumentError, ServiceError, StagingError
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
-from checkpointd.write.options import WriterOptions
+from checkpointd.write.options import SaveTarget, WriterOptions
 from checkpointd.write.plan import Snapshot
 
 from . import protocol as p
@@ -42,12 +43,13 @@ from .snapshot import describe
 
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
+    from checkpointd.write.incremental import CaptureHold
 
-__all__ = ["RemoteService", "open_remote"]
+__all__ = ["ServiceBackend", "open_remote"]
 
 
-def open_remote(root: str, options: WriterOptions, group: Group | None) -> RemoteService:
-    """The RemoteService of a writer of ``root`` made with ``service=`` (in ``options``);
+def open_remote(target: SaveTarget, options: WriterOptions, group: Group | None) -> ServiceBackend:
+    """The ServiceBackend of a writer of ``target`` made with ``service=`` (in ``options``);
     ``group``: the ranks it saves with, re-keyed for the service (ranks/hosted.py), or
     None. InvalidArgumentError for a ``buffer_pool`` (the service's shared memory is
     the buffers), ServiceError if no service answers (or, with "auto", none could be
@@ -59,7 +61,7 @@ def open_remote(root: str, options: WriterOptions, group: Group | None) -> Remot
         )
     service = options.service_path
     assert service is not None
-    storage_options = options.storage_options
+    storage_options = target.storage_options
     try:
         plain = (
             None
@@ -72,48 +74,50 @@ def open_remote(root: str, options: WriterOptions, group: Group | None) -> Remot
         ) from None
     conn = connect(service)
     try:
-        return RemoteService(conn, root, options, storage_options=plain, group=group)
+        return ServiceBackend(conn, target, options, storage_options=plain, group=group)
     except BaseException:
         conn.close()
         raise
 
 
-class RemoteService:
-    """What a CheckpointWriter with ``service=`` runs instead of a WriteService.
+class ServiceBackend:
+    """The ``WriteBackend`` of a writer with ``service=``: the service plans and commits.
 
     ``acquire_buffer``/``release_buffer``/``submit`` are called on the writer's loop
-    thread as with WriteService; handles are resolved by the connection's reader
-    thread (a sync writer's handles are thread-safe)."""
+    thread as with the in-process backend; handles are resolved by the connection's
+    reader thread (a sync writer's handles are thread-safe). With ``incremental=True``
+    the service's writer references unchanged tensors (the same files as in-process);
+    the capture here copies every tensor (``hold_unchanged`` is None: a hash instead of
+    a copy needs the saver's state, which is the service's)."""
 
-    incremental: None = None
-    """With ``incremental=True`` the service's write service references unchanged
-    tensors (the same files as in-process); the capture here copies every tensor
-    (no hash instead of a copy: that needs the saver's state, which is the service's)."""
+    loop_thread: int | None = None
+    """None: handles are resolved on the connection's reader thread."""
 
     def __init__(
         self,
         conn: Connection,
-        root: str,
+        target: SaveTarget,
         options: WriterOptions,
         *,
         storage_options: dict[str, Any] | None,
         group: Group | None = None,
     ) -> None:
-        """Open a writer of ``root`` in the service with ``options`` (``storage_options``:
-        theirs made JSON-able)."""
+        """Open a writer of ``target`` in the service with ``options`` (``storage_options``:
+        the target's made JSON-able): the root, storage options and layout are sent once,
+        here."""
         self.conn = conn
         self.group = group
-        self._root = (root, storage_options)
+        self._root = (target.root, storage_options)
         self.newest: int | None = None
-        self.loop_thread: int | None = None
         self.failures = Failures()
         self.max_pending = options.max_pending
-        self._slots = threading.BoundedSemaphore(options.max_pending)
         self._lock = threading.Lock()
         self._saves: dict[int, SaveHandle] = {}
         self._sent: dict[int, tuple[SaveHandle, int]] = {}  # Submit id -> handle, attempt
         self._attempts: dict[int, int] = {}  # save -> its attempt number (many ranks)
         self._stopped: anyio.Event | None = None
+        self._changed = threading.Condition()  # guards the two below; notified on change
+        self._free = options.max_pending  # staging buffers not taken (slots)
         self._staging: set[SaveHandle] = set()  # overlapped saves not yet handed over
         self._mappings = Mappings()
         self._ahead: int | None = None  # bytes the last capture reserved: asked for ahead
@@ -122,8 +126,9 @@ class RemoteService:
         policy = options.policy
         reply, _ = conn.request(
             p.OpenWriter,
-            root=root,
+            root=target.root,
             storage_options=storage_options,
+            layout=target.layout,
             keep_last=policy.keep_last,
             keep_every=policy.keep_every,
             keep_best=policy.keep_best,
@@ -140,40 +145,85 @@ class RemoteService:
         self.writer = reply.writer
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Wait for ``stop``: the saves themselves run in the service."""
         self._stopped = anyio.Event()
         task_status.started()
         await self._stopped.wait()
 
     async def stop(self) -> None:
         """Wait until every overlapped save still copying was handed over and every
-        accepted save resolved, then end ``run`` (the connection and the mappings the
-        copies write into stay open until then)."""
-        # Handles resolve on the connection's reader thread: polled, cancellable.
-        while True:
-            with self._lock:
-                pending = [h for h in self._saves.values() if not h.done()]
-                pending += [h for h, _ in self._sent.values() if not h.done()]
-                pending += self._staging
-            if not pending:
-                break
-            await anyio.sleep(0.01)
+        accepted save resolved (every buffer given back), then end ``run`` (the
+        connection and the mappings the copies write into stay open until then)."""
+        await self._when(lambda: self._free == self.max_pending and not self._staging)
         assert self._stopped is not None
         self._stopped.set()
 
     async def acquire_buffer(self) -> StagingBuffer:
-        # Slots are given back by the connection's reader thread: polled, so that the
-        # wait stays cancellable (an interrupted save()).
-        while not self._slots.acquire(blocking=False):  # noqa: ASYNC110
-            await anyio.sleep(0.002)
-        return SegmentBuffer(self.conn, self._mappings, ahead=self._ahead)
+        """A segment buffer, once fewer than ``max_pending`` saves hold one (buffers are
+        given back as saves resolve, on the connection's reader thread)."""
+
+        def take() -> None:
+            self._free -= 1
+
+        await self._when(lambda: self._free > 0, take, undo=self._give_slot)
+        try:
+            return SegmentBuffer(self.conn, self._mappings, ahead=self._ahead)
+        except BaseException:  # the service is gone: no save holds this slot
+            self._give_slot()
+            raise
+
+    async def _when(
+        self,
+        ready: Callable[[], bool],
+        then: Callable[[], None] = lambda: None,
+        *,
+        undo: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Wait until ``ready()`` holds, then ``then()`` (both under ``_changed``). The
+        wait blocks a worker thread on the condition, woken by each change; cancelled,
+        it ends that wait, and ``undo()``s a ``then()`` that ran anyway."""
+        with self._changed:
+            if ready():
+                then()
+                return
+        abandoned, done = [False], [False]
+
+        def wait() -> None:
+            with self._changed:
+                self._changed.wait_for(lambda: abandoned[0] or ready())
+                if not abandoned[0]:
+                    then()
+                    done[0] = True
+
+        try:
+            await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+        except BaseException:
+            with self._changed:
+                abandoned[0] = True
+                self._changed.notify_all()
+                ran = done[0]
+            if ran:
+                undo()
+            raise
+
+    def _give_slot(self) -> None:
+        with self._changed:
+            self._free += 1
+            self._changed.notify_all()
+
+    def hold_unchanged(self) -> CaptureHold | None:
+        """None: capture copies every tensor (the service finds unchanged ones)."""
+        return None
 
     def release_buffer(self, buffer: StagingBuffer) -> None:
         """Give back a buffer whose save was never submitted (its capture failed)."""
         assert isinstance(buffer, SegmentBuffer)
         segment = buffer.segment
-        buffer.cancel_ahead()
-        buffer.forget()
-        self._slots.release()
+        try:
+            buffer.cancel_ahead()
+            buffer.forget()
+        finally:
+            self._give_slot()
         if segment is not None and self.conn.lost is None:
             with contextlib.suppress(ServiceError):  # gone: its memory went with it
                 self.conn.request(p.Free, segment=segment)
@@ -186,14 +236,13 @@ class RemoteService:
         the save counts as staged (saves stage one at a time, so they are sent in
         order); then this returns at once."""
         staging = handle.staging
-        with self._lock:
+        with self._changed:
             self._staging.add(handle)
         if staging is not None and staging.hand_over(
             lambda error: self._hand_over(snapshot, handle, error)
         ):
             return
-        with self._lock:
-            self._staging.discard(handle)
+        self._handed(handle)
         if staging is None:
             self._send(snapshot, handle)  # no round trip: a send, on the loop thread
         else:  # the copy has already ended: as at its end
@@ -206,16 +255,22 @@ class RemoteService:
         handle (a failed copy; the service unreachable)."""
         try:
             if error is not None:
-                self._abandon(snapshot, error)
-                self.release_buffer(snapshot.buffer)
+                try:
+                    self._abandon(snapshot, error)
+                finally:
+                    self.release_buffer(snapshot.buffer)
                 raise error
             self._send(snapshot, handle)  # gives the buffer back if it raises
         except Exception as exc:
             self.failures.add(exc)
             handle.resolve(None, exc)
         finally:
-            with self._lock:
-                self._staging.discard(handle)
+            self._handed(handle)
+
+    def _handed(self, handle: SaveHandle) -> None:
+        with self._changed:
+            self._staging.discard(handle)
+            self._changed.notify_all()
 
     def _abandon(self, snapshot: Snapshot, error: StagingError) -> None:
         """With ranks, a failed copy abandons the attempt on every rank (they fail at once)."""
@@ -258,7 +313,7 @@ class RemoteService:
         if error is not None:
             self.failures.add(error)
         handle.resolve(info, error)
-        self._slots.release()
+        self._give_slot()
 
     def _event(self, message: p.Message) -> None:
         """Reader thread: a save accepted or refused, a save resolved, or a background
@@ -331,10 +386,12 @@ class RemoteService:
         threading.Thread(target=follow, name="checkpointd-follow", daemon=True).start()
 
     def close_store(self) -> None:
+        """Close the connection and the mappings; leave the group (many ranks)."""
         self.conn.close()
         self._mappings.close()
         if self.group is not None:
             self.group.close()  # other ranks now know this rank's writer is gone
 
     def take_unseen_error(self) -> BaseException | None:
+        """The oldest error nobody has seen raised, marked seen (for the exit report)."""
         return self.failures.take_first()

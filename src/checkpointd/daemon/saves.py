@@ -1,8 +1,9 @@
 """The service's writers and the saves submitted to them.
 
-Each writer that opens through the service gets a write service of today's
-kind (``write.loop.WriteService``: plan, commit protocol, retention) whose
-snapshots live in the segments the trainers captured into. A submitted save
+Each writer that opens through the service gets the in-process backend
+(``write.loop.InProcessBackend``: plan, commit protocol, retention), hosted here as
+``HostedBackend``, whose snapshots live in the segments the trainers captured into,
+laid out by the layout its trainer sent when the writer opened. A submitted save
 belongs to the service: it commits whether or not its client is still there;
 once it resolves its segment goes to the memory tier (committed and kept) or
 back to shared memory. A writer whose client is gone is stopped once nothing of
@@ -23,12 +24,13 @@ import torch
 from anyio.abc import TaskGroup
 
 from checkpointd import errors, tunables
+from checkpointd.format.layout import SaveLayout
 from checkpointd.format.manifest import FileEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.hosted import open_hosted
 from checkpointd.storage import open_store
 from checkpointd.write.handle import SaveHandle, first_leaf
-from checkpointd.write.loop import WriteService, newest_committed
+from checkpointd.write.loop import InProcessBackend, newest_committed
 from checkpointd.write.plan import SavePlan, Snapshot
 
 from . import protocol as p
@@ -39,15 +41,16 @@ from .memtier import MemoryTier, RootKey, root_key
 from .shm import MappedSegment
 from .snapshot import rebuild
 
-__all__ = ["HostedWriteService", "Saves"]
+__all__ = ["HostedBackend", "Saves"]
 
 _log = logging.getLogger(__name__)
 
 
-class HostedWriteService(WriteService):
-    """Today's write service, for snapshots in segments: they are not the pool's, the
-    service frees or keeps them once the save resolves; the plan each committed with is
-    kept until then, for the memory tier (held.py)."""
+class HostedBackend(InProcessBackend):
+    """The in-process backend, run by the service for one client's writer, for snapshots
+    in segments: they are not the pool's, the service frees or keeps them once the save
+    resolves; the plan each committed with is kept until then, for the memory tier
+    (held.py)."""
 
     def release_buffer(self, buffer: Any) -> None:
         """Not returned to the pool: the memory tier may keep the segment's bytes, or
@@ -73,8 +76,10 @@ class Writer:
     ident: int
     key: RootKey
     """Its root (shown without its storage options' values: ``str(key)``)."""
-    service: HostedWriteService
+    service: HostedBackend
     conn: Conn | None
+    layout: SaveLayout
+    """Every snapshot's layout: the trainer's (``OpenWriter.layout``)."""
     pending: int = 0
 
 
@@ -96,9 +101,12 @@ class Saves:
         return self._ids
 
     async def open_writer(self, conn: Conn, message: p.OpenWriter) -> Writer:
-        """Start a write service for ``message``'s root and options, ``conn``'s; ProtocolError
-        for a relative root (it would be this process's working folder's, not the client's)."""
+        """Start a backend for ``message``'s target and options, ``conn``'s; ProtocolError
+        for a relative root (it would be this process's working folder's, not the client's),
+        InvalidArgumentError for an option or layout out of range."""
         key = root_key(message.root, message.storage_options)
+        layout = SaveLayout.now() if message.layout is None else message.layout
+        layout.check()
         if message.newer_steps not in ("error", "keep", "discard"):
             raise errors.InvalidArgumentError(f"newer_steps {message.newer_steps!r}")
         if message.best_mode not in ("min", "max"):
@@ -126,7 +134,7 @@ class Saves:
                     f"the service cannot reach the job's store at {message.group.host}:"
                     f"{message.group.port} ({type(exc).__name__}: {exc})"
                 ) from None
-        service = HostedWriteService(
+        service = HostedBackend(
             store,
             policy,
             message.max_pending,
@@ -138,7 +146,7 @@ class Saves:
         )
         service.newest = await anyio.to_thread.run_sync(newest_committed, store)
         await self.group.start(service.run)
-        writer = Writer(self._next(), key, service, conn)
+        writer = Writer(self._next(), key, service, conn, layout)
         self.writers[writer.ident] = writer
         return writer
 
@@ -170,7 +178,7 @@ class Saves:
         if segment is None:
             raise p.ProtocolError(f"segment {message.segment} is not this connection's")
         arena = torch.frombuffer(segment.map, dtype=torch.uint8, count=max(segment.size, 1))
-        snapshot = rebuild(message.snapshot, arena[: segment.size])
+        snapshot = rebuild(message.snapshot, arena[: segment.size], writer.layout)
         del conn.owned[message.segment]  # the save owns it now
         save = self._next()
         handle = SaveHandle(

@@ -3,8 +3,8 @@ the service rebuilds the very ``plan.Snapshot`` an in-process save would write.
 
 The trees travel encoded (``codec.encode_tree``) and come back as ``msgspec.Raw``,
 which the plan's ``encode_tree`` writes out byte for byte: the files are the same
-as an in-process save's, planned with the trainer's tunables (its ``SaveLayout``),
-not the service's. Every offset, size and name is checked against the
+as an in-process save's, planned with the trainer's tunables (its writer's
+``SaveLayout``, sent once in ``OpenWriter``), not the service's. Every offset, size and name is checked against the
 segment before the service trusts it (held.py: what the memory tier keeps of a
 committed save). Imports torch.
 """
@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from checkpointd import tunables
-from checkpointd.errors import CheckpointError, InvalidArgumentError, UnsupportedValueError
+from checkpointd.errors import CheckpointError, UnsupportedValueError
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
 from checkpointd.format.header import TensorEntry
@@ -77,7 +77,6 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
         per_rank=snapshot.per_rank,
         attempt=snapshot.attempt,
         rank=snapshot.rank,
-        layout=snapshot.layout,
     )
 
 
@@ -87,11 +86,13 @@ def _entry_desc(entry: TensorEntry) -> EntryDesc:
     )
 
 
-def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
-    """The Snapshot ``desc`` describes, over ``arena`` (the segment, as uint8).
+def rebuild(desc: SnapshotDesc, arena: torch.Tensor, layout: SaveLayout) -> Snapshot:
+    """The Snapshot ``desc`` describes, over ``arena`` (the segment, as uint8), laid out
+    by ``layout`` (its writer's, checked when the writer opened).
 
     ProtocolError where the description does not fit the segment or names a
-    dtype, a component or a shape no capture could have made."""
+    dtype, a component or a shape no capture could have made, or holds more shard
+    blocks than a manifest can list."""
     size = arena.numel()
     components: list[CapturedComponent] = []
     seen: set[str] = set()
@@ -122,25 +123,20 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor) -> Snapshot:
                 comp.shard_nbytes,
             )
         )
-    layout = SaveLayout.now() if desc.layout is None else desc.layout
-    try:
-        layout.check()
-        _check_block(layout.shard_block, components)
-        return Snapshot(
-            desc.step,
-            components,
-            StagingBuffer.over(arena),
-            desc.created_at,
-            dict(desc.metrics),
-            dict(desc.metadata),
-            specs=dict(desc.specs),
-            per_rank=dict(desc.per_rank),
-            attempt=desc.attempt,
-            rank=desc.rank,
-            layout=layout,
-        )
-    except InvalidArgumentError as exc:
-        raise ProtocolError(str(exc)) from None
+    _check_block(layout.shard_block, components)
+    return Snapshot(
+        desc.step,
+        components,
+        StagingBuffer.over(arena),
+        desc.created_at,
+        dict(desc.metrics),
+        dict(desc.metadata),
+        specs=dict(desc.specs),
+        per_rank=dict(desc.per_rank),
+        attempt=desc.attempt,
+        rank=desc.rank,
+        layout=layout,
+    )
 
 
 def _check_block(block: int, components: list[CapturedComponent]) -> None:

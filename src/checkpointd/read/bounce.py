@@ -164,10 +164,6 @@ class Bounce:
             self._blocks = []
             self._transfers = {}
 
-    def held_bytes(self) -> int:
-        """Host memory the staging blocks hold now (0 before first use and after ``close``)."""
-        return sum(block.numel() for block in self._blocks)
-
     def _transfer(self, device: torch.device) -> Transfer:
         transfer = self._transfers.get(device)
         if transfer is None:

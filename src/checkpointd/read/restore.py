@@ -355,13 +355,12 @@ def restore_from(
     step: int | None,
     strict: bool,
     *,
-    source: str = "storage",
     place: tuple[int, int] = (0, 1),
 ) -> RestoreInfo:
-    """``restore`` from an open ``store`` (closed here).
+    """``restore`` from an open ``store``, which is closed here.
 
-    ``source`` goes in the info, ``place`` is this process's (rank, world size) in the group that
-    restores.
+    The info's ``source`` is "storage"; ``place`` is this process's (rank, world size) in
+    the group that restores.
     """
     try:
 
@@ -387,5 +386,5 @@ def restore_from(
         skipped_targets=(*prepared.missing, *prepared.other_world),
         skipped_components=prepared.unexpected,
         skipped_steps=skipped_steps,
-        source=source,
+        source="storage",
     )

@@ -1,7 +1,8 @@
 """``AsyncCheckpointWriter``.
 
-The async front end, running the background write service as a task in the caller's loop (asyncio or
-trio) and its blocking I/O in worker threads; otherwise as ``CheckpointWriter`` (writer.py).
+The async front end, running the writer's backend (backend.py) as a task in the caller's loop
+(asyncio or trio) and its blocking I/O in worker threads; otherwise as ``CheckpointWriter``
+(writer.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ __all__ = ["AsyncCheckpointWriter"]
 class AsyncCheckpointWriter(WriterBase):
     """Saves checkpoints in the background from async training code (asyncio or trio).
 
-    Use with ``async with``; the write service runs as a task in the caller's loop
+    Use with ``async with``; the backend runs as a task in the caller's loop
     and its blocking I/O in worker threads. Call ``save``/``wait`` from that loop.
     ``list_checkpoints``, ``load`` and ``restore`` are coroutines too: they run the
     blocking reads (and ``restore``'s ``load_state_dict`` calls) in a worker thread.
@@ -46,7 +47,7 @@ class AsyncCheckpointWriter(WriterBase):
     _group: TaskGroup | None = None
 
     def _start(self) -> None:
-        """The service starts in ``__aenter__``.
+        """The backend starts in ``__aenter__``.
 
         Here only the table of each pending save's event (set on this loop when it resolves), for
         ``_drain``.
@@ -64,15 +65,15 @@ class AsyncCheckpointWriter(WriterBase):
         if self._group is not None:
             raise WriterClosedError("an AsyncCheckpointWriter can be entered once")
         try:
-            self._service.newest = await anyio.to_thread.run_sync(newest_committed, self._store)
+            self._backend.newest = await anyio.to_thread.run_sync(newest_committed, self._store)
         except BaseException:
             self._closed = True
-            self._service.close_store()
+            self._backend.close_store()
             raise
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
-        await group.start(self._service.run)
+        await group.start(self._backend.run)
         return self
 
     async def save(
@@ -113,21 +114,21 @@ class AsyncCheckpointWriter(WriterBase):
             recorded = self._record_specs(step, state, specs, associations)
             if self._stager is not None:  # the previous save's copy: waited for off the loop
                 await anyio.to_thread.run_sync(self._stager.wait)
-            buffer = await self._service.acquire_buffer()
+            buffer = await self._backend.acquire_buffer()
             try:
                 snapshot, staging = self._snapshot(
                     step, state, buffer, plain, recorded, attempt=attempt
                 )
             except BaseException:
-                self._service.release_buffer(buffer)
+                self._backend.release_buffer(buffer)
                 raise
-            # The in-process service resolves handles on this loop; the checkpoint
-            # service's reader thread cannot set an event of this loop.
-            event = anyio.Event() if self._service.loop_thread is not None else None
+            # The in-process backend resolves handles on this loop; the service
+            # backend's reader thread cannot set an event of this loop.
+            event = anyio.Event() if self._backend.loop_thread is not None else None
             handle = self._handle(step, started, event, staging)
             if event is not None:
                 self._events[handle] = event
-            await self._service.submit(snapshot, handle)
+            await self._backend.submit(snapshot, handle)
         handle.blocked_seconds = time.perf_counter() - started
         return handle
 
@@ -178,10 +179,10 @@ class AsyncCheckpointWriter(WriterBase):
                 await self._drain()
         except TimeoutError:
             raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
-        self._service.failures.raise_first()
+        self._backend.failures.raise_first()
 
     async def aclose(self) -> None:
-        """Wait for pending saves, stop the service, then raise an error not yet seen.
+        """Wait for pending saves, stop the backend, then raise an error not yet seen.
 
         Raises:
             CheckpointError: The first background error not yet seen.
@@ -196,10 +197,10 @@ class AsyncCheckpointWriter(WriterBase):
         try:
             await self._drain()
         finally:
-            await self._service.stop()
+            await self._backend.stop()
             await group.__aexit__(None, None, None)
-            self._service.close_store()
-        self._service.failures.raise_first()
+            self._backend.close_store()
+        self._backend.failures.raise_first()
 
     async def __aexit__(
         self,

@@ -55,7 +55,6 @@ from checkpointd.write.plan import SavePlan
 
 __all__ = [
     "clean_up",
-    "commit_plan",
     "finish_commit",
     "in_thread",
     "info_of",
@@ -219,19 +218,6 @@ async def publish_manifest(
             f"step {step} was committed by another writer at {step_path(store, step)}"
         ) from None
     _log.debug("step %d: manifest published at %s", step, shown(step_path(store, step)))
-
-
-async def commit_plan(
-    store: Store,
-    plan: SavePlan,
-    limiter: anyio.CapacityLimiter,
-    *,
-    identity: WriterIdentity | None = None,
-    chunk_bytes: int,
-) -> CheckpointInfo:
-    """``publish_plan``, returning the CheckpointInfo of the committed checkpoint."""
-    manifest = await publish_plan(store, plan, limiter, identity=identity, chunk_bytes=chunk_bytes)
-    return info_of(store, manifest)
 
 
 async def publish_plan(

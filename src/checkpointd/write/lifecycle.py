@@ -20,13 +20,15 @@ import threading
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal
 
 from checkpointd.errors import WrongThreadError
+
+if TYPE_CHECKING:
+    from checkpointd.write.backend import WriteBackend
 
 __all__ = ["LoopThread", "generation", "inherited", "writer_dropped"]
 
@@ -63,24 +65,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Service(Protocol):
-    """What a LoopThread runs: a write service (service.WriteService)."""
-
-    async def run(self, *, task_status: TaskStatus[None] = ...) -> None: ...
-    async def stop(self) -> None: ...
-    def close_store(self) -> None: ...
-    def take_unseen_error(self) -> BaseException | None: ...
-
-
 class LoopThread:
-    """An asyncio event loop in a thread of its own, serving one write service.
+    """An asyncio event loop in a thread of its own, running one writer's backend.
 
     Made and closed by a CheckpointWriter's caller thread; ``close`` may also be
     called by the exit hook or by the helper thread of a dropped writer.
     """
 
-    def __init__(self, service: Service, root: str, niceness: int = 0) -> None:
-        self.service = service
+    def __init__(self, backend: WriteBackend, root: str, niceness: int = 0) -> None:
+        self.backend = backend
         self.root = root
         self.generation = _generation
         self._close_lock = threading.Lock()
@@ -96,7 +89,7 @@ class LoopThread:
             if niceness:
                 # Worker threads are spawned by the loop's thread and inherit its niceness.
                 self.portal.call(_lower_thread_priority, niceness)
-            self._service_done, _ = self.portal.start_task(service.run)
+            self._backend_done, _ = self.portal.start_task(backend.run)
         except BaseException:
             self._stop_thread()
             raise
@@ -154,7 +147,7 @@ class LoopThread:
             raise
 
     def close(self) -> None:
-        """Let queued saves finish, then stop the service and the thread.
+        """Let queued saves finish, then stop the backend and the thread.
 
         Blocking; idempotent (a second caller waits for the first). Never call it
         from the loop thread, nor in a process that inherited the loop.
@@ -166,18 +159,18 @@ class LoopThread:
                 return
             self._closed = True
             try:
-                self.portal.call(self.service.stop)
-                self._service_done.result()
+                self.portal.call(self.backend.stop)
+                self._backend_done.result()
             finally:
                 self._stop_thread()
-                self.service.close_store()
+                self.backend.close_store()
                 _unregister(self)
 
     def close_and_report(self, why: str) -> None:
         """``close``, then print (to stderr) an error nobody saw: there is no caller left."""
         try:
             self.close()
-            error = self.service.take_unseen_error()
+            error = self.backend.take_unseen_error()
         except Exception as exc:
             error = exc
         if error is not None:

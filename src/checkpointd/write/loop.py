@@ -1,4 +1,4 @@
-"""The background half of a writer: one service task on an event loop writes snapshots in order.
+"""The in-process backend of a writer: one task on an event loop writes snapshots in order.
 
 Also what the writer knows about committed steps: the newest one, read once
 when the writer starts, and the deletion of newer steps after a rollback
@@ -42,10 +42,10 @@ from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
-    from checkpointd.write.incremental import IncrementalSaver
+    from checkpointd.write.incremental import CaptureHold, IncrementalSaver
     from checkpointd.write.staging import Staging
 
-__all__ = ["NewerSteps", "WriteService", "discard_newer", "newest_committed"]
+__all__ = ["InProcessBackend", "NewerSteps", "discard_newer", "newest_committed"]
 
 _log = logging.getLogger(__name__)
 
@@ -79,11 +79,13 @@ def discard_newer(store: Store, step: int) -> list[int]:
     return deleted
 
 
-class WriteService:
-    """Lives on one event loop and writes snapshots in order.
+class InProcessBackend:
+    """The ``WriteBackend`` (backend.py) that plans and commits in this process: lives on
+    one event loop and writes snapshots in order (the checkpoint service runs it too,
+    daemon/saves.HostedBackend).
 
     ``newest`` is the newest committed step the writer knows of: set by the writer
-    before the service starts, then updated on the loop after each commit (read by
+    before the backend starts, then updated on the loop after each commit (read by
     the caller thread without a lock: one attribute, written before the handle resolves).
     """
 
@@ -292,6 +294,10 @@ class WriteService:
         files this process wrote of it (sizes, CRC32Cs), before its handle resolves;
         nothing here (the checkpoint service's writers keep them for their memory tier)."""
 
+    def hold_unchanged(self) -> CaptureHold | None:
+        """What capture may skip as unchanged (incremental only); caller's thread."""
+        return None if self.incremental is None else self.incremental.hold()
+
     async def acquire_buffer(self) -> StagingBuffer:
         """Wait for a free staging buffer (at most ``max_pending`` saves exist at once)."""
         assert self._free is not None
@@ -314,7 +320,7 @@ class WriteService:
             await self._queue[0].aclose()
 
     def close_store(self) -> None:
-        """Release the store's resources (and stop the heartbeat) once the service has stopped;
+        """Release the store's resources (and stop the heartbeat) once the backend has stopped;
         the staging buffers go back to the pool they came from."""
         if self._pool is not None:
             self._pool.give_back(self._buffers)

@@ -1,6 +1,6 @@
-"""What a writer opens from its options, in order: the store of its root, the group of
-ranks it saves with, and its write service (in this process, or the checkpoint
-service's stand-in). Each step closes what it opened if a later part of it fails; the
+"""What a writer opens from its target and options, in order: the store of its root, the
+group of ranks it saves with, and its backend (backend.py: in this process, or through
+the checkpoint service), chosen here once. Each step closes what it opened if a later part of it fails; the
 writer closes the earlier ones. Caller's thread, blocking (the group waits for its
 ranks)."""
 
@@ -14,18 +14,19 @@ from typing import TYPE_CHECKING
 from checkpointd.errors import StorageError
 from checkpointd.ranks.group import LOCAL, Group, resolve_group
 from checkpointd.storage import LocalStore, Store, open_store
-from checkpointd.write.loop import WriteService
-from checkpointd.write.options import WriterOptions
+from checkpointd.write.loop import InProcessBackend
+from checkpointd.write.options import SaveTarget, WriterOptions
 
 if TYPE_CHECKING:
-    from checkpointd.daemon.remote import RemoteService
+    from checkpointd.write.backend import WriteBackend
 
-__all__ = ["open_group", "open_root", "open_service"]
+__all__ = ["open_backend", "open_group", "open_root"]
 
 
-def open_root(root: str, options: WriterOptions) -> Store:
+def open_root(target: SaveTarget) -> Store:
     """The store of a writer's root; StorageError if a local root is a file."""
-    store = open_store(root, options.storage_options)
+    root = target.root
+    store = open_store(root, target.storage_options)
     local = store.root if isinstance(store, LocalStore) else None
     if local is not None and os.path.exists(local) and not os.path.isdir(local):
         store.close()
@@ -52,17 +53,18 @@ def open_group(store: Store, options: WriterOptions) -> Group | None:
     return for_service(group)
 
 
-def open_service(
-    root: str,
+def open_backend(
+    target: SaveTarget,
     store: Store,
     options: WriterOptions,
     ranks: Group | None,
-) -> WriteService | RemoteService:
-    """The write service: in this process, or the checkpoint service's stand-in.
-    Closes ``ranks`` if it cannot be made."""
+) -> WriteBackend:
+    """The writer's backend: ``InProcessBackend`` without ``service=``, else
+    ``ServiceBackend`` (the service opens its own store from ``target``; ``store`` stays
+    the writer's, for reads). Closes ``ranks`` if it cannot be made."""
     try:
         if options.service is None:
-            return WriteService(
+            return InProcessBackend(
                 store,
                 options.policy,
                 options.max_pending,
@@ -75,7 +77,7 @@ def open_service(
             )
         from checkpointd.daemon.remote import open_remote
 
-        return open_remote(root, options, ranks)
+        return open_remote(target, options, ranks)
     except BaseException:
         if ranks is not None:
             ranks.close()

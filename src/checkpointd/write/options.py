@@ -19,12 +19,14 @@ from typing import Any, Literal, TypedDict, cast
 
 from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError
+from checkpointd.format.layout import SaveLayout
 from checkpointd.maintain.retention import RetentionPolicy
+from checkpointd.storage import resolve_root
 from checkpointd.write.capture import BufferPool
 from checkpointd.write.loop import NewerSteps
 from checkpointd.write.staging import STAGING_MODES, StagingMode
 
-__all__ = ["NEWER_STEPS", "WriterKeywords", "WriterOptions"]
+__all__ = ["NEWER_STEPS", "SaveTarget", "WriterKeywords", "WriterOptions"]
 
 NEWER_STEPS: tuple[NewerSteps, ...] = ("error", "keep", "discard")
 
@@ -85,13 +87,13 @@ class WriterOptions:
     ``tunables.JOIN_SECONDS``): how long the ranks wait for a live rank that has not
     made the same writer, or called ``save()`` for the same step, before failing.
 
-    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` (its value at
-    ``save()`` in this process, also through the service) whose bytes
+    ``incremental``: a tensor of at least ``tunables.INCREMENTAL_MIN_BYTES`` (its value
+    when the writer was made, in this process, also through the service) whose bytes
     equal one of the writer's previous committed checkpoint is not written again: the
     manifest references the stored bytes (a shared blob, by XXH3-128 digest; see
     incremental.py and docs/format.md). Every checkpoint still loads whole on its own;
-    retention and gc delete a blob only when no committed manifest uses it. Single
-    process only for now: with many ranks the writer raises InvalidArgumentError.
+    retention and gc delete a blob only when no committed manifest uses it; with many
+    ranks each rank's shards are blobs of their own.
 
     ``staging``: ``"blocking"`` (default) copies the whole state into host memory
     before ``save()`` returns. ``"overlapped"`` copies the parameters of the
@@ -218,3 +220,30 @@ class WriterOptions:
     def replace(self, **changes: Any) -> WriterOptions:
         """These options with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveTarget:
+    """What every save of one writer means, fixed when the writer is made: the root
+    resolved in the trainer (``storage.resolve_root``: an absolute path or a normalised
+    URL, so a service in another working folder names the same place), its storage
+    options (a copy) and the layout tunables (``SaveLayout.now()`` then).
+
+    Both backends use this one value: the in-process one opens its store from it and
+    stamps each snapshot with its layout; the service backend sends it once, in
+    ``OpenWriter``, and the service stamps the snapshots it rebuilds with it. So a
+    tunable changed after the writer was made does not apply to that writer (nor to
+    any process that hosts it); a writer made after the change uses it. Any thread."""
+
+    root: str
+    storage_options: dict[str, Any] | None
+    layout: SaveLayout
+
+    @classmethod
+    def of(cls, root: str | os.PathLike[str], options: WriterOptions) -> SaveTarget:
+        """The target of a writer of ``root`` with ``options``, the tunables read now;
+        InvalidArgumentError if they are out of range (``SaveLayout.check``)."""
+        layout = SaveLayout.now()
+        layout.check()
+        given = options.storage_options
+        return cls(resolve_root(root), None if given is None else dict(given), layout)

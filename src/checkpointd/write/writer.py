@@ -1,10 +1,10 @@
 """The checkpoint writer.
 
-The sync front end over the background write service (the async one is async_writer.py).
+The sync front end over the writer's backend (backend.py; the async front end is async_writer.py).
 
 ``save()`` captures the state on the caller's thread and queues the snapshot;
-the service (loop.py) writes queued snapshots one at a time, in order, each
-with its files written concurrently. ``CheckpointWriter`` runs the service on an
+the backend (in this process, loop.py) writes queued snapshots one at a time, in order,
+each with its files written concurrently. ``CheckpointWriter`` runs the backend on an
 event loop in a thread of its own (lifecycle.py). At most ``max_pending`` snapshots
 exist at once (one staging buffer each, reused across saves): ``save()`` waits
 for a free one.
@@ -61,12 +61,12 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
     _preemption_saved = False
 
     def _start(self) -> None:
-        """Read the newest committed step, then run the service on its own loop thread."""
+        """Read the newest committed step, then run the backend on its own loop thread."""
         try:
-            self._service.newest = newest_committed(self._store)
-            self._loop = LoopThread(self._service, self.root, self.background_niceness)
+            self._backend.newest = newest_committed(self._store)
+            self._loop = LoopThread(self._backend, self.root, self.background_niceness)
         except BaseException:
-            self._service.close_store()
+            self._backend.close_store()
             raise
         self._finalizer = weakref.finalize(
             self, lifecycle.writer_dropped, self._loop, "CheckpointWriter", self._pending
@@ -118,18 +118,18 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         with self._attempt(step) as attempt:
             plain = self._before_save(step, metrics, metadata)
             recorded = self._record_specs(step, state, specs, associations)
-            service = self._service
-            buffer = self._loop.call_interruptibly(service.acquire_buffer, service.release_buffer)
+            backend = self._backend
+            buffer = self._loop.call_interruptibly(backend.acquire_buffer, backend.release_buffer)
             try:
                 snapshot, staging = self._snapshot(
                     step, state, buffer, plain, recorded, attempt=attempt
                 )
             except BaseException:
-                self._loop.call(service.release_buffer, buffer)
+                self._loop.call(backend.release_buffer, buffer)
                 raise
             handle = self._handle(step, started, staging=staging)
             try:
-                self._loop.call(service.submit, snapshot, handle)
+                self._loop.call(backend.submit, snapshot, handle)
             except Exception:
                 self._pending.remove(handle)
                 raise
@@ -243,10 +243,10 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
             except CheckpointTimeoutError:
                 raise CheckpointTimeoutError(f"saves still running after {timeout}s") from None
         self._pending.clear()
-        self._service.failures.raise_first()
+        self._backend.failures.raise_first()
 
     def close(self) -> None:
-        """Wait for pending saves, stop the service, then raise an error not yet seen.
+        """Wait for pending saves, stop the backend, then raise an error not yet seen.
 
         Does nothing in a process that inherited the writer through fork, or when the
         writer is closed already.
@@ -266,7 +266,7 @@ class CheckpointWriter(WriterBase, AbstractContextManager["CheckpointWriter"]):
         self._finalizer.detach()
         self._loop.close()
         self._pending.clear()
-        self._service.failures.raise_first()
+        self._backend.failures.raise_first()
 
     def __exit__(
         self,

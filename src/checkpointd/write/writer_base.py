@@ -32,13 +32,12 @@ from checkpointd.format.manifest import CheckpointInfo, SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import split_state
 from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
-from checkpointd.storage import resolve_root
 from checkpointd.storage.base import shown
 from checkpointd.write import lifecycle, opening
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import NewerSteps
-from checkpointd.write.options import WriterOptions
+from checkpointd.write.options import SaveTarget, WriterOptions
 from checkpointd.write.plan import Snapshot
 from checkpointd.write.staging import Stager, Staging, StagingMode
 from checkpointd.write.writer_args import plain_metrics_and_metadata
@@ -51,11 +50,13 @@ _log = logging.getLogger(__name__)
 class WriterBase:
     """What both front ends share: options, validation, pending handles, error surfacing.
 
-    ``root`` is a local path or fsspec URL, resolved once here (``storage.resolve_root``:
-    a relative path names a folder under this process's working folder, also through
-    the service, whose working folder is its own). The keywords are the writer's options,
-    each described in ``WriterOptions`` (write/options.py): every one is checked when
-    the writer is made (InvalidArgumentError) and kept in ``options``.
+    ``root`` is a local path or fsspec URL, resolved once here into the writer's
+    ``SaveTarget`` (a relative path names a folder under this process's working folder,
+    also through the service, whose working folder is its own; the layout tunables are
+    read then too, so later changes to them do not apply to this writer). The keywords
+    are the writer's options, each described in ``WriterOptions`` (write/options.py):
+    every one is checked when the writer is made (InvalidArgumentError) and kept in
+    ``options``.
 
     ``list_checkpoints``, ``load`` and ``restore`` read the writer's root with its
     ``storage_options``; they see committed checkpoints only (not pending saves).
@@ -142,16 +143,15 @@ class WriterBase:
             chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
             join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
         )
-        self.root = resolve_root(str(root))  # this process's folder, not the service's
+        self._target = SaveTarget.of(str(root), self.options)
+        """What every save of this writer means: root, storage options, layout."""
+        self.root = self._target.root  # this process's folder, not the service's
         self._stager = Stager() if self.options.staging == "overlapped" else None
-        self._store = opening.open_root(self.root, self.options)
+        self._store = opening.open_root(self._target)
         try:
             self._ranks = opening.open_group(self._store, self.options)
-            self._service = opening.open_service(
-                self.root,
-                self._store,
-                self.options,
-                self._ranks,
+            self._backend = opening.open_backend(
+                self._target, self._store, self.options, self._ranks
             )
         except BaseException:
             self._store.close()
@@ -198,13 +198,13 @@ class WriterBase:
         return self.options.service_path
 
     def _start(self) -> None:
-        """Start the write service where the front end runs it; last step of __init__."""
+        """Start the backend where the front end runs it; last step of __init__."""
 
     @property
     def newest_step(self) -> int | None:
         """The newest committed step this writer knows of (None: none yet): read from the
         root when the writer starts, then its own commits. Caller's thread."""
-        return self._service.newest
+        return self._backend.newest
 
     @property
     def world_size(self) -> int:
@@ -233,7 +233,7 @@ class WriterBase:
         """Checks on the caller thread, before anything is captured; returns the plain
         metrics and metadata."""
         self._check_usable()
-        self._service.failures.raise_first()
+        self._backend.failures.raise_first()
         if not is_step(step):
             raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
         self._pending[:] = [h for h in self._pending if not h.done()]
@@ -243,7 +243,7 @@ class WriterBase:
         return plain_metrics_and_metadata(step, metrics, metadata)
 
     def _check_step_order(self, step: int) -> None:
-        newest = self._service.newest
+        newest = self._backend.newest
         if step == newest:
             raise CheckpointExistsError(f"step {step} is already committed under {self.root}")
         if self.newer_steps != "error":
@@ -274,7 +274,7 @@ class WriterBase:
 
         recorded = record(state, specs or {}, associations or {})
         if self._specs is None:
-            self._specs = previous_specs(self._store, self._service.newest)
+            self._specs = previous_specs(self._store, self._backend.newest)
         warn_changed(self._specs, recorded, step)
         self._specs = recorded
         return recorded
@@ -300,8 +300,7 @@ class WriterBase:
             # before optimizers become state dicts by parameter name: the stager finds
             # them (and their tensors, which those state dicts share) here
             staging, copier = self._stager.begin(captured)
-        saver = self._service.incremental
-        hold = None if saver is None else saver.hold()  # what capture finds unchanged
+        hold = self._backend.hold_unchanged()  # what capture may find unchanged
         try:
             if group is not None or _distributed():
                 from checkpointd.state.optimizers import by_parameter_name
@@ -335,6 +334,7 @@ class WriterBase:
             attempt=attempt,
             per_rank=per_rank,
             rank=0 if group is None else group.rank,
+            layout=self._target.layout,
         )
         nbytes = sum(c.nbytes for c in components)
         _log.debug("step %d: captured %d bytes of %d components", step, nbytes, len(components))
@@ -373,14 +373,14 @@ class WriterBase:
         event: anyio.Event | None = None,
         staging: Staging | None = None,
     ) -> SaveHandle:
-        service = self._service
+        backend = self._backend
         handle = SaveHandle(
             step,
             started,
             event,
-            loop_thread=service.loop_thread,
+            loop_thread=backend.loop_thread,
             staging=staging,
-            failures=service.failures,
+            failures=backend.failures,
             where=shown(self.root),
         )
         self._pending.append(handle)
