@@ -13,6 +13,9 @@ repetition; it prints medians with [min..max] and the ratios the goals are on:
 - ``load`` in a fresh process too (a warm process's ``torch.load`` may get its
   tensors' memory back from glibc's heap, already faulted in, where a fresh process
   faults every page: the warm ``torch.load`` is bimodal, 0.03 s or 0.16 s for 290 MB);
+- ``load`` in a long-lived process: a child that saves 3 steps with a writer (as a
+  trainer does), then alternates ``torch.load`` and ``checkpointd.load`` without a
+  ``gc.collect()`` between (issue 35: each load faulted its whole size in again);
 - the memcpy floor: the same bytes copied into tensors already touched;
 - with ``--ranks-mb``: FSDP2 + AdamW on 2 and 4 ranks, and 3 ranks restoring what 2
   saved, ``checkpointd.restore`` vs ``dcp.load`` + ``set_state_dict`` (bench_ranks);
@@ -106,10 +109,31 @@ def _checkpointd_restore(model: torch.nn.Module, root: Path) -> None:
     checkpointd.restore(str(root), {"model": model})
 
 
-def child(kind: str, where: Path, d: int) -> dict[str, float]:
+def long_lived(folder: Path, d: int, reps: int) -> dict[str, Any]:
+    """In a fresh process that lives on: save 3 steps with a writer, then ``reps`` rounds
+    of ``torch.load`` and ``checkpointd.load`` (order alternating, no gc between); the
+    seconds of each and the process's peak RSS."""
+    model, root = build(d), folder / "long-lived"
+    with checkpointd.CheckpointWriter(str(root), keep_last=1) as writer:
+        for step in range(3):
+            writer.save(step, {"model": model}).result()
+        loaders: list[tuple[str, Callable[[], Any]]] = [
+            ("torch.load", lambda: torch.load(folder / "model.pt", weights_only=True)),
+            ("checkpointd.load", lambda: checkpointd.load(str(root))),
+        ]
+        out: dict[str, Any] = {name: [] for name, _ in loaders}
+        for rep in range(reps):
+            for name, load in loaders[rep % 2 :] + loaders[: rep % 2]:
+                out[name].append(_timed(load))
+    return {**out, "peak_rss": float(_status("VmHWM"))}
+
+
+def child(kind: str, where: Path, d: int) -> dict[str, Any]:
     """In a fresh process: build the model (for a restore), then time one restore or
     load (kind ``torch``, ``checkpointd``, ``torch.load``, ``checkpointd.load``) and its
-    peak extra RSS."""
+    peak extra RSS; or (kind ``long-lived:REPS``) ``long_lived`` in folder ``where``."""
+    if kind.startswith("long-lived:"):
+        return long_lived(where, d, int(kind.partition(":")[2]))
     model = build(d, seed=None) if not kind.endswith(".load") else None
     gc.collect()
     _reset_peak()
@@ -132,7 +156,7 @@ def child(kind: str, where: Path, d: int) -> dict[str, float]:
     return {"seconds": seconds, "extra_rss": float(max(0, peak - before))}
 
 
-def _fresh(kind: str, where: Path, d: int) -> dict[str, float]:
+def _fresh(kind: str, where: Path, d: int) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_restore", "--child", kind, str(where), str(d)],
         capture_output=True,
@@ -141,7 +165,7 @@ def _fresh(kind: str, where: Path, d: int) -> dict[str, float]:
         timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -163,9 +187,14 @@ def compare(
         for kind, where in kinds[rep % 4 :] + kinds[: rep % 4]:
             result = _fresh(kind, where, d)
             table.add(f"{kind}.fresh", result["seconds"])
-            if not kind.endswith(".load"):
-                table.add(f"{kind}.fresh_extra_rss", result["extra_rss"])
+            table.add(f"{kind}.fresh_extra_rss", result["extra_rss"])
         log(f"  fresh rep {rep + 1}/{fresh_reps} done")
+    lived = _fresh(f"long-lived:{reps}", folder, d)
+    for name in ("torch.load", "checkpointd.load"):
+        for seconds in lived[name]:
+            table.add(f"{name}.long_lived", seconds)
+    table.add("long_lived.peak_rss", lived["peak_rss"])
+    log("  long-lived process done")
     return table, nbytes
 
 
@@ -223,6 +252,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 ROWS = (
     ("load", "checkpointd.load", "torch.load", 0.7),
     ("load, fresh process", "checkpointd.load.fresh", "torch.load.fresh", 0.7),
+    ("load, long-lived process", "checkpointd.load.long_lived", "torch.load.long_lived", 1.0),
     ("restore, warm", "checkpointd.read.restore", "torch.restore", 0.8),
     ("restore, fresh process", "checkpointd.fresh", "torch.fresh", 0.6),
 )
@@ -241,16 +271,21 @@ def report(table: Table, nbytes: int) -> list[str]:
         "checkpointd.fresh": "checkpointd.restore fresh",
         "torch.load.fresh": "torch.load fresh",
         "checkpointd.load.fresh": "checkpointd.load fresh",
+        "torch.load.long_lived": "torch.load long-lived",
+        "checkpointd.load.long_lived": "checkpointd.load long-lived",
     }
     for key, label in labels.items():
         if key in table.series:
             lines.append(f"  {label:<36} {fmt_seconds(table[key])}")
-    for kind in ("torch", "checkpointd"):
+    for kind in ("torch", "checkpointd", "torch.load", "checkpointd.load"):
         key = f"{kind}.fresh_extra_rss"
         if key in table.series:
             lines.append(
                 f"  {kind + ' peak extra RSS (fresh)':<36} {table[key].median / 2**20:7.1f} MiB"
             )
+    if "long_lived.peak_rss" in table.series:
+        peak = table["long_lived.peak_rss"].median / 2**20
+        lines.append(f"  {'long-lived process peak RSS':<36} {peak:7.1f} MiB")
     lines.append("ratios (of medians):")
     for label, ours, theirs, goal in ROWS:
         if ours in table.series and theirs in table.series:

@@ -91,6 +91,18 @@ FILE_READ_THREADS = 2
 (``load``): faulting fresh memory in is most of the cost and it scales with cores; 4
 threads measured no faster than 2 on the 2-vCPU benchmark machine."""
 
+KEEP_MIN_BYTES = 32 * 2**20
+"""Loaded files at least this large get memory that is kept for reuse once every tensor
+over it is freed (hostmem.py). glibc maps allocations over 32 MiB (its largest mmap
+threshold) afresh and unmaps them on free, so without keeping, every load in a
+long-lived process faults its whole size in again (~5 us per 4 KiB page on the
+benchmark VM: 0.7-0.9 s per 600 MiB); smaller ones come from torch's allocator."""
+
+KEEP_SECONDS = 30.0
+"""Seconds a freed load buffer is kept for the next load before it goes back to the OS:
+long enough to span an eval loop's or a retry's loads, short enough that a trainer
+that loaded once at start does not hold a checkpoint's worth of idle memory for long."""
+
 BOUNCE_BYTES = 16 * 2**20
 """Host staging that bytes bound for a device (a CUDA tensor restored into, or
 ``load(..., map_location="cuda")``) pass through: two reused blocks of half this

@@ -203,7 +203,7 @@ def decode_tree(
             tensor = tensors[name]
             return tensor.numpy() if code == _EXT_NDARRAY else tensor
         if code == _EXT_TUPLE:
-            items = decoder.decode(payload)
+            items = decoders[0].decode(payload)
             if not isinstance(items, list):
                 raise CorruptCheckpointError(f"{where}: a tuple's payload is not an array")
             return tuple(items)
@@ -213,14 +213,18 @@ def decode_tree(
                 raise CorruptCheckpointError(f"{where}: malformed big integer")
             return int(digits)
         if code == _EXT_STATE_DICT:
-            return _state_dict(decoder.decode(payload), where)
+            return _state_dict(decoders[0].decode(payload), where)
         if code == _EXT_DTYPE:
             return _dtype(bytes(payload).decode(), where)
         if code == _EXT_NPSCALAR:
-            return _decode_numpy_scalar(decoder.decode(payload), where)
+            return _decode_numpy_scalar(decoders[0].decode(payload), where)
         raise CorruptCheckpointError(f"{where}: unknown tree extension type {code}")
 
     decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ext_hook=ext_hook)
+    # ext_hook reaches the decoder through this list, emptied after decoding: a closure
+    # over ``decoder`` itself is a cycle (decoder -> ext_hook -> decoder) that keeps
+    # ``tensors`` (a whole loaded file) alive until the garbage collector runs.
+    decoders = [decoder]
     try:
         tree = decoder.decode(data)
     except CorruptCheckpointError:
@@ -231,6 +235,8 @@ def decode_tree(
         ) from None
     except (msgspec.DecodeError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from exc
+    finally:
+        decoders.clear()
     _check_decoded(tree, where)
     return tree
 

@@ -3,8 +3,8 @@
 A fresh allocation of a few hundred MB costs more in first-touch page faults than
 reading a file into it from the page cache (measured on the 2-vCPU VM of the
 README: ~0.22 s to fault in 705 MB, ~0.04 s to copy it from the page cache). A
-loaded file gets one allocation (``torch.empty``), and the reader faults each
-chunk in just before reading into it, from as many threads as it reads with:
+loaded file gets one allocation (``host_buffer``), and the reader faults each
+chunk of fresh memory in just before reading into it, from as many threads as it reads with:
 ``prefault`` asks the kernel to populate the range writable in one call
 (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, through ctypes so the GIL is
 released), which measured ~20% faster than taking the faults one page at a time
@@ -12,7 +12,16 @@ inside ``read``. Transparent huge pages (``MADV_HUGEPAGE``) were tried and are n
 used: with the common ``defrag=madvise`` setting each fault may compact memory
 synchronously, and 705 MB then took 0.6-1.6 s instead of 0.03 s. Where the call is
 missing or refused (another OS, an older kernel) ``prefault`` is a no-op and the
-reads fault the pages in. Any thread.
+reads fault the pages in.
+
+Memory kept for reuse: a file of at least ``tunables.KEEP_MIN_BYTES`` is loaded into an
+anonymous map of its own (what glibc would give ``torch.empty`` for it anyway), and when
+the last tensor over it is freed the map is kept for ``tunables.KEEP_SECONDS`` instead
+of being unmapped, so that the next load of a same-sized file (an eval loop, a retry)
+reads into pages already faulted in and skips the prefault. torch.load only gets this
+when glibc's heap happens not to be trimmed. A load that finds no kept map that fits
+lets every kept map go before it allocates, so peak RSS never exceeds what it was
+without keeping. Any thread.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ import concurrent.futures
 import ctypes
 import mmap
 import sys
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from checkpointd import tunables
@@ -31,7 +43,7 @@ if TYPE_CHECKING:
 
     from checkpointd.storage.base import PinnedFile
 
-__all__ = ["MADV_POPULATE_WRITE", "prefault", "read_checked"]
+__all__ = ["MADV_POPULATE_WRITE", "host_buffer", "prefault", "read_checked"]
 
 MADV_POPULATE_WRITE = 23
 """``madvise`` advice (linux/mman.h, Linux 5.14+; not in Python's ``mmap`` before 3.13):
@@ -70,17 +82,94 @@ def prefault(address: int, length: int) -> None:
         _works = False  # EINVAL before Linux 5.14 (or not Linux): let the reads fault
 
 
-def read_checked(pinned: PinnedFile, data: torch.Tensor) -> int:
-    """Fill ``data`` (fresh memory) from ``pinned`` in chunks, each faulted in, read and
-    checksummed by one of ``tunables.FILE_READ_THREADS`` threads (all three release the
-    GIL); the CRC32C of the whole, combined from the chunks' in order."""
+_kept_lock = threading.Lock()
+_kept: list[tuple[float, mmap.mmap]] = []  # (when freed, map), oldest first
+_expiry: tuple[float, threading.Timer] | None = None  # (when it fires, the timer)
+
+
+def _arm(now: float) -> None:
+    """Have ``_expire`` run when the oldest kept map is due (``_kept_lock`` held)."""
+    global _expiry
+    due = _kept[0][0] + tunables.KEEP_SECONDS
+    if _expiry is not None and _expiry[0] <= due:
+        return
+    if _expiry is not None:
+        _expiry[1].cancel()
+    timer = threading.Timer(max(due - now, 0.0), _expire)
+    timer.daemon = True  # never holds the interpreter's exit
+    timer.start()
+    _expiry = (due, timer)
+
+
+def _keep(block: mmap.mmap) -> None:
+    """Keep a map whose last tensor was just freed (a finalizer: the freeing thread)."""
+    with _kept_lock:
+        now = time.monotonic()
+        _kept.append((now, block))
+        _arm(now)
+
+
+def _expire() -> None:
+    """Let the maps kept ``tunables.KEEP_SECONDS`` or longer go (the timer's thread)."""
+    global _expiry
+    with _kept_lock:
+        now = time.monotonic()
+        due = [freed + tunables.KEEP_SECONDS <= now for freed, _ in _kept]
+        gone = [block for (_, block), old in zip(_kept, due, strict=True) if old]
+        _kept[:] = [kept for kept, old in zip(_kept, due, strict=True) if not old]
+        _expiry = None
+        if _kept:
+            _arm(now)
+    del gone  # unmapped here, outside the lock
+
+
+def _take(size: int) -> mmap.mmap | None:
+    """The smallest kept map of ``size`` to ``size * 9 / 8`` bytes, or None after letting
+    every kept map go (so that the allocation that follows adds to no kept memory)."""
+    with _kept_lock:
+        fits = [i for i, (_, block) in enumerate(_kept) if size <= len(block) <= size + size // 8]
+        if not fits:
+            gone = [block for _, block in _kept]
+            _kept.clear()
+            found = None
+        else:
+            gone = []
+            found = _kept.pop(min(fits, key=lambda i: len(_kept[i][1])))[1]
+    del gone
+    return found
+
+
+def host_buffer(size: int) -> tuple[torch.Tensor, bool]:
+    """A uint8 CPU tensor of ``size`` bytes for a file to be read into, and whether its
+    memory is fresh (to be prefaulted) rather than a kept map already faulted in. Any thread."""
+    import numpy
+    import torch
+
+    if size < tunables.KEEP_MIN_BYTES:
+        return torch.empty(size, dtype=torch.uint8), True
+    block = _take(size)
+    fresh = block is None
+    if block is None:
+        block = mmap.mmap(-1, size)
+    array = numpy.frombuffer(block, dtype=numpy.uint8, count=size)
+    # The tensor holds the array; when its last view is freed the map goes to _keep.
+    weakref.finalize(array, _keep, block).atexit = False
+    return torch.from_numpy(array), fresh
+
+
+def read_checked(pinned: PinnedFile, data: torch.Tensor, *, fresh: bool = True) -> int:
+    """Fill ``data`` from ``pinned`` in chunks, each faulted in first when ``data`` is
+    ``fresh`` memory, read and checksummed by one of ``tunables.FILE_READ_THREADS``
+    threads (all three release the GIL); the CRC32C of the whole, combined from the
+    chunks' in order."""
     chunk = tunables.READ_CHUNK_BYTES
     view = data.numpy().data.cast("B")
     base = data.data_ptr()
 
     def work(at: int) -> int:
         part = view[at : at + chunk]
-        prefault(base + at, len(part))
+        if fresh:
+            prefault(base + at, len(part))
         pinned.read_into(part, at)
         return crc32c(part)
 

@@ -106,29 +106,29 @@ class StepReader:
         is CheckpointNotFoundError if the step's manifest is gone too (retention
         deletes the manifest first), else CorruptCheckpointError.
         """
-        import torch
-
-        from checkpointd.read.hostmem import prefault
+        from checkpointd.read.hostmem import host_buffer, prefault
 
         path = f"{self.folder}/{name}"
         size = self.files[name].size
         # Read, never mapped, even where the store could (capabilities.memory_map): a
         # tensor over a map pins a deleted checkpoint's disk space for as long as an
         # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS.
-        # One allocation per file, faulted in by the reading threads (hostmem.py).
-        data = torch.empty(size, dtype=torch.uint8)
+        # One allocation per file, faulted in by the reading threads unless it is memory
+        # a previous load freed and hostmem.py kept (resident already).
+        data, fresh = host_buffer(size)
         try:
             large = self.verify and size >= 2 * tunables.READ_CHUNK_BYTES
             pinned = self.store.open_pinned(path) if large else None
             if pinned is not None:
                 try:
                     self._size(name)
-                    self.check_digest(name, read_checked(pinned, data))
+                    self.check_digest(name, read_checked(pinned, data, fresh=fresh))
                 finally:
                     pinned.close()
                 return data
             view = data.numpy().data.cast("B")
-            prefault(data.data_ptr(), size)
+            if fresh:
+                prefault(data.data_ptr(), size)
             self._read_sized(name, view)
         except StorageNotFoundError:
             raise self.vanished(name) from None
