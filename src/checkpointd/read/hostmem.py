@@ -14,7 +14,8 @@ synchronously, and 705 MB then took 0.6-1.6 s instead of 0.03 s. Where the call 
 missing or refused (another OS, an older kernel) ``prefault`` is a no-op and the
 reads fault the pages in.
 
-Memory kept for reuse: a file of at least ``tunables.KEEP_MIN_BYTES`` is loaded into an
+Memory kept for reuse: a file of at least ``tunables.KEEP_MIN_BYTES`` whose tensors are
+handed to the caller (``load``; not a restore's temporaries) is loaded into an
 anonymous map of its own (what glibc would give ``torch.empty`` for it anyway), and when
 the last tensor over it is freed the map is kept for ``tunables.KEEP_SECONDS`` instead
 of being unmapped, so that the next load of a same-sized file (an eval loop, a retry)
@@ -139,21 +140,23 @@ def _take(size: int) -> mmap.mmap | None:
     return found
 
 
-def host_buffer(size: int) -> tuple[torch.Tensor, bool]:
+def host_buffer(size: int, *, keep: bool) -> tuple[torch.Tensor, bool]:
     """A uint8 CPU tensor of ``size`` bytes for a file to be read into, and whether its
-    memory is fresh (to be prefaulted) rather than a kept map already faulted in. Any thread."""
+    memory is fresh (to be prefaulted) rather than a kept map already faulted in. With
+    ``keep`` (tensors handed to a caller, who frees them later) its memory is kept once
+    freed; without (a restore's temporary) it is unmapped. Any thread."""
     import numpy
     import torch
 
-    if size < tunables.KEEP_MIN_BYTES:
-        return torch.empty(size, dtype=torch.uint8), True
-    block = _take(size)
+    block = _take(size) if size >= tunables.KEEP_MIN_BYTES else None
     fresh = block is None
     if block is None:
+        if not keep or size < tunables.KEEP_MIN_BYTES:
+            return torch.empty(size, dtype=torch.uint8), True
         block = mmap.mmap(-1, size)
     array = numpy.frombuffer(block, dtype=numpy.uint8, count=size)
-    # The tensor holds the array; when its last view is freed the map goes to _keep.
-    weakref.finalize(array, _keep, block).atexit = False
+    if keep:  # the tensor holds the array; when its last view is freed the map is kept
+        weakref.finalize(array, _keep, block).atexit = False
     return torch.from_numpy(array), fresh
 
 

@@ -99,8 +99,9 @@ class StepReader:
             )
         return CorruptCheckpointError(f"{self.where}/{name}: listed in manifest but missing")
 
-    def read(self, name: str) -> torch.Tensor:
-        """The whole file as a uint8 tensor, after the size and digest checks.
+    def read(self, name: str, *, keep: bool = False) -> torch.Tensor:
+        """The whole file as a uint8 tensor, after the size and digest checks; with
+        ``keep`` its memory is kept for a later load once freed (``host_buffer``).
 
         A file that disappears at any point of the read (size, open, map or read)
         is CheckpointNotFoundError if the step's manifest is gone too (retention
@@ -113,9 +114,8 @@ class StepReader:
         # Read, never mapped, even where the store could (capabilities.memory_map): a
         # tensor over a map pins a deleted checkpoint's disk space for as long as an
         # object keeps it (an optimizer keeps its state), and on NFS it can SIGBUS.
-        # One allocation per file, faulted in by the reading threads unless it is memory
-        # a previous load freed and hostmem.py kept (resident already).
-        data, fresh = host_buffer(size)
+        # One allocation per file, faulted in by the reading threads unless kept (hostmem.py).
+        data, fresh = host_buffer(size, keep=keep)
         try:
             large = self.verify and size >= 2 * tunables.READ_CHUNK_BYTES
             pinned = self.store.open_pinned(path) if large else None
@@ -183,7 +183,7 @@ class StepReader:
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """Every tensor of a tensor file, as views of one buffer read in a single pass."""
-        return self.tensors_of(name, self.read(name))
+        return self.tensors_of(name, self.read(name, keep=True))
 
     def layout_of(self, name: str, data: torch.Tensor) -> tuple[int, list[TensorEntry]]:
         """As ``layout``, parsed from the whole file ``data`` already read and checked."""
