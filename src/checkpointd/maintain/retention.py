@@ -1,10 +1,10 @@
 """Retention: which committed checkpoints to keep, and deleting the others.
 
 Deciding is pure (``plan_retention`` over a list of CheckpointInfo); executing
-is ``apply_retention``, which the writer runs only after a commit, and
-``delete_checkpoint``, which removes one checkpoint manifest first so that a
-half-deleted checkpoint is invisible, never torn (also used by ``gc`` and by
-``newer_steps="discard"``).
+is ``apply_retention``, which the writer runs only after a commit, through
+deletion.py's ``delete_checkpoints``, which removes each checkpoint manifest first so
+that a half-deleted checkpoint is invisible, never torn (also used by ``gc`` and by
+``newer_steps="discard"``); retention re-exports it and ``delete_checkpoint``.
 
 Sharing a root: several writers (two jobs, a restarted job and its old
 instance, a trainer and a side job) may save into one root. Steps are shared:
@@ -42,6 +42,7 @@ from checkpointd import tunables
 from checkpointd.errors import InvalidArgumentError, RetentionWarning, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import CheckpointInfo, Manifest
+from checkpointd.maintain.deletion import delete_checkpoint, delete_checkpoints
 from checkpointd.maintain.lineage import WriterIdentity
 from checkpointd.maintain.soundness import Checked, checked_plan, present, verified
 from checkpointd.read.catalog import committed as committed_manifests
@@ -241,63 +242,7 @@ def _unranked_warning(steps: Sequence[int], policy: RetentionPolicy) -> str:
 
 # ---------------------------------------------------------------------------
 # Execution: blocking storage calls, from worker threads of the writer's loop
-# (apply_retention) or from any thread (delete_checkpoint).
-
-
-def delete_checkpoint(store: Store, step: int) -> bool:
-    """Remove the committed checkpoint ``step``.
-
-    Its manifest first, so it is never seen half-deleted. Returns False (and touches nothing) if
-    ``step`` has no manifest: its folder may be a save in flight, which only gc may remove once it
-    is old.
-
-    Once the manifest is gone the folder is not a checkpoint: if removing the
-    rest fails or the process dies, what is left is a leftover for gc, which no
-    reader lists or loads. Raises StorageError if the storage fails. Blocking;
-    any thread.
-    """
-    folder = step_dirname(step)
-    manifest = f"{folder}/{MANIFEST_NAME}"
-    if not store.exists(manifest):
-        return False
-    store.remove_file(manifest)
-    _log.debug("step %d of %s: manifest deleted, removing its folder", step, shown(store.url))
-    store.remove_dir(folder)
-    return True
-
-
-def delete_checkpoints(
-    store: Store,
-    steps: Iterable[int],
-    manifests: Mapping[int, Manifest] | None = None,
-    known: dict[int, Manifest] | None = None,
-) -> list[int]:
-    """``delete_checkpoint`` each of ``steps`` in order, then the blobs only they used.
-
-    The shared blobs go after their manifests (shared.drop_blobs), so a crash midway
-    loses nothing a committed checkpoint needs. ``manifests``: those already read;
-    ``known``: a manifest cache (catalog.scan).
-    Returns the steps deleted. Blocking; any thread.
-    """
-    from checkpointd.errors import CheckpointError
-    from checkpointd.maintain.blobs import drop_blobs
-    from checkpointd.read.catalog import read_manifest
-
-    deleted: list[int] = []
-    dropped: list[Manifest] = []
-    for step in steps:
-        manifest = (manifests or {}).get(step)
-        if manifest is None:
-            try:
-                manifest = read_manifest(store, step)
-            except CheckpointError:
-                manifest = None  # unreadable: its blobs, if any, are left to gc
-        if delete_checkpoint(store, step):
-            deleted.append(step)
-            if manifest is not None:
-                dropped.append(manifest)
-    drop_blobs(store, dropped, known)
-    return deleted
+# (apply_retention); deleting is deletion.py's, from any thread.
 
 
 def _committed_at(store: Store, step: int, manifest: Manifest) -> float:
