@@ -1,5 +1,6 @@
 """What both writer front ends share: options, checks on the caller's thread, pending
-handles, and reading the writer's own root.
+handles; reading the writer's own root is root_reads.py's, a save's step checks
+save_checks.py's.
 
 Everything here runs on the caller's thread (the training thread, or the event
 loop of an AsyncCheckpointWriter): it validates before anything is captured,
@@ -11,27 +12,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 import anyio
-import torch
 
 from checkpointd import tunables
-from checkpointd.errors import (
-    CheckpointExistsError,
-    CheckpointTimeoutError,
-    InvalidArgumentError,
-    StepOrderError,
-    UnsupportedValueError,
-    WriterClosedError,
-)
-from checkpointd.format.layout import MAX_STEP, is_step
-from checkpointd.format.manifest import CheckpointInfo, SpecEntry
+from checkpointd.errors import CheckpointTimeoutError, UnsupportedValueError, WriterClosedError
+from checkpointd.format.manifest import SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import split_state
-from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
 from checkpointd.storage.base import shown
 from checkpointd.write import lifecycle, opening
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
@@ -39,6 +30,8 @@ from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import NewerSteps
 from checkpointd.write.options import SaveTarget, WriterOptions
 from checkpointd.write.plan import Snapshot
+from checkpointd.write.root_reads import RootReads
+from checkpointd.write.save_checks import check_step
 from checkpointd.write.staging import Stager, Staging, StagingMode
 from checkpointd.write.writer_args import plain_metrics_and_metadata
 
@@ -47,7 +40,7 @@ __all__ = ["WriterBase"]
 _log = logging.getLogger(__name__)
 
 
-class WriterBase:
+class WriterBase(RootReads):
     """What both front ends share: options, validation, pending handles, error surfacing.
 
     ``root`` is a local path or fsspec URL, resolved once here into the writer's
@@ -234,31 +227,15 @@ class WriterBase:
         metrics and metadata."""
         self._check_usable()
         self._backend.failures.raise_first()
-        if not is_step(step):
-            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
         self._pending[:] = [h for h in self._pending if not h.done()]
-        if any(h.step == step for h in self._pending):
-            raise CheckpointExistsError(f"a save of step {step} is already in progress")
-        self._check_step_order(step)
-        return plain_metrics_and_metadata(step, metrics, metadata)
-
-    def _check_step_order(self, step: int) -> None:
-        newest = self._backend.newest
-        if step == newest:
-            raise CheckpointExistsError(f"step {step} is already committed under {self.root}")
-        if self.newer_steps != "error":
-            return
-        if newest is not None and step < newest:
-            what = f"step {newest}, the newest committed checkpoint"
-        elif any(h.step > step for h in self._pending):
-            what = f"step {max(h.step for h in self._pending)}, which is being saved,"
-        else:
-            return
-        raise StepOrderError(
-            f"step {step} is older than {what} under {self.root}: a resume would pick the "
-            "newer step and skip this one. Pass newer_steps='discard' to the writer to delete "
-            "the newer steps once this one is committed, or newer_steps='keep' to keep them"
+        check_step(
+            step,
+            newest=self._backend.newest,
+            pending=self._pending,
+            newer_steps=self.newer_steps,
+            root=self.root,
         )
+        return plain_metrics_and_metadata(step, metrics, metadata)
 
     def _record_specs(
         self,
@@ -385,35 +362,6 @@ class WriterBase:
         )
         self._pending.append(handle)
         return handle
-
-    def _list(self) -> list[CheckpointInfo]:
-        return list_checkpoints(self.root, storage_options=self.storage_options)
-
-    def _load(
-        self,
-        step: int | None,
-        components: Iterable[str] | None,
-        map_location: str | torch.device | None,
-        verify: bool,
-    ) -> Checkpoint:
-        return load(
-            self.root,
-            step,
-            components=components,
-            storage_options=self.storage_options,
-            map_location=map_location,
-            verify=verify,
-        )
-
-    def _restore(self, targets: Mapping[str, Any], step: int | None, strict: bool) -> RestoreInfo:
-        return restore(
-            self.root,
-            targets,
-            step,
-            storage_options=self.storage_options,
-            strict=strict,
-            process_group=self.options.process_group,
-        )
 
 
 def _staged(step: int, error: BaseException | None) -> None:
