@@ -34,8 +34,9 @@ finished by the next run (or ``checkpointd gc DIRPATH --apply``) if a kill cuts 
 What a save holds: component ``model`` (Lightning's ``state_dict``),
 ``optimizers`` (``optimizer_states``), ``trainer`` (every other key: loops,
 callbacks, epoch, hyperparameters...) and ``rng`` (Python, NumPy, torch and
-CUDA generators, which Lightning does not save); nothing is pickled, an
-unstorable value raises UnsupportedValueError on the training thread.
+CUDA generators, which Lightning does not save), mapped in lightning_state.py;
+nothing is pickled, an unstorable value raises UnsupportedValueError on the
+training thread.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import importlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -53,6 +53,7 @@ import torch
 from checkpointd import tunables
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.integrations.lightning_paths import checkpoint_root, last_checkpoint
+from checkpointd.integrations.lightning_state import checkpoint_of, components_of, step_of
 from checkpointd.maintain.removal import (
     Awaited,
     due,
@@ -62,7 +63,6 @@ from checkpointd.maintain.removal import (
     unmark_root,
 )
 from checkpointd.read.restore import load
-from checkpointd.state.rng import RNGState
 from checkpointd.write.capture import BufferPool
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.options import WriterKeywords, WriterOptions
@@ -74,9 +74,6 @@ _BASE_MODULES = (
     "lightning_fabric.plugins.io.checkpoint_io",
     "lightning.fabric.plugins.io.checkpoint_io",
 )
-_MODEL, _OPTIMIZERS = "model", "optimizers"
-_REST = "trainer"
-_RNG = "rng"
 # Retention is ModelCheckpoint's job (save_top_k); a root keeps its newest step only.
 # Writers kept open, most recently saved roots first: a root saved again by the same
 # writer lets retention drop its older step at once (another writer's fresh commits
@@ -202,21 +199,12 @@ class CheckpointdIO(_Base):
             self._marked.discard(root)
             unmark_root(root, self._storage_options)
         writer = self._writer(root)
-        step = _step_of(checkpoint)
+        step = step_of(checkpoint)
         newest = self._last_step.get(root)
         if newest is not None and step <= newest:
             step = newest + 1
-        state: dict[str, Any] = {_REST: {}}
-        for key, value in checkpoint.items():
-            if key == "state_dict":
-                state[_MODEL] = value
-            elif key == "optimizer_states":
-                state[_OPTIMIZERS] = {"optimizer_states": value}
-            else:
-                state[_REST][key] = value
-        state[_RNG] = RNGState()
-        metadata = {"lightning_path": os.fspath(path), "global_step": _step_of(checkpoint)}
-        handle = writer.save(step, state, metadata=metadata)
+        metadata = {"lightning_path": os.fspath(path), "global_step": step_of(checkpoint)}
+        handle = writer.save(step, components_of(checkpoint), metadata=metadata)
         self._last_step[root] = step
         self._handles.append((root, handle))
 
@@ -248,14 +236,7 @@ class CheckpointdIO(_Base):
         self._wait_for(root)
         where = map_location if isinstance(map_location, str | torch.device) else None
         loaded = load(root, storage_options=self._storage_options, map_location=where)
-        checkpoint: dict[str, Any] = dict(loaded.state[_REST])
-        if _MODEL in loaded.state:
-            checkpoint["state_dict"] = loaded.state[_MODEL]
-        if _OPTIMIZERS in loaded.state:
-            checkpoint["optimizer_states"] = loaded.state[_OPTIMIZERS]["optimizer_states"]
-        if self.restore_rng and _RNG in loaded.state:
-            RNGState().load_state_dict(loaded.state[_RNG])
-        return checkpoint
+        return checkpoint_of(loaded.state, restore_rng=self.restore_rng)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the root ``path`` once every save made before this call is committed.
@@ -398,10 +379,3 @@ class CheckpointdIO(_Base):
             os.remove(root)  # a file or a dangling link, not a root
             return
         remove_root(root, self._storage_options)
-
-
-def _step_of(checkpoint: Mapping[str, Any]) -> int:
-    step = checkpoint.get("global_step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidArgumentError(f"checkpoint['global_step'] must be an int >= 0, not {step!r}")
-    return step

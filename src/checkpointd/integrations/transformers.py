@@ -47,7 +47,7 @@ Trainer's own (the batches of the interrupted epoch are skipped and the RNG is
 restored after them, as Trainer does), which is exact with Trainer's default
 seedable sampler and a collator that draws no random numbers. A checkpoint
 saved with another batch size, gradient accumulation, seed or world size is
-refused (RestoreMismatchError) before anything changes.
+refused (RestoreMismatchError) before anything changes (transformers_resume.py).
 
 Scope: one process (``world_size == 1``); DeepSpeed, FSDP, SageMaker MP and
 ``load_best_model_at_end`` are refused with InvalidArgumentError. Every method
@@ -66,10 +66,21 @@ import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
 
-from checkpointd.errors import InvalidArgumentError, RestoreMismatchError
-from checkpointd.format.manifest import CheckpointInfo
+from checkpointd.errors import InvalidArgumentError
+from checkpointd.integrations.transformers_resume import (
+    LOOP,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    SCALER,
+    SCHEDULER,
+    STATE,
+    Applied,
+    Resume,
+    open_resume,
+)
 from checkpointd.read.catalog import list_checkpoints
-from checkpointd.read.restore import load, restore
+from checkpointd.read.restore import restore
 from checkpointd.state.rng import RNGState
 from checkpointd.storage import resolve_root
 from checkpointd.write.options import WriterKeywords, WriterOptions
@@ -77,8 +88,6 @@ from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdMixin", "CheckpointdTrainer"]
 
-MODEL, OPTIMIZER, SCHEDULER, SCALER = "model", "optimizer", "scheduler", "scaler"
-RNG, STATE, LOOP = "rng", "trainer_state", "loop"
 # What decides the data position of a resumed run: it must be the same as when saved.
 _POSITION_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
 _SEED_ARGS = ("seed", "data_seed")
@@ -87,30 +96,6 @@ if TYPE_CHECKING:
     _Base = Trainer
 else:
     _Base = object
-
-
-class _Applied:
-    """A restore target for a component already applied: it takes the tree, does nothing.
-
-    The trainer state and RNG are needed before the optimizer exists.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Any) -> None:
-        pass
-
-
-class _Resume:
-    """The checkpoint a ``train`` call resumes from, loaded in two parts."""
-
-    def __init__(self, root: str, info: CheckpointInfo, trees: Mapping[str, Any]) -> None:
-        self.root = root
-        self.info = info
-        self.trees = trees
-        # What Trainer passes around as ``resume_from_checkpoint``; never read as a folder.
-        self.marker = info.path
 
 
 class CheckpointdMixin(_Base):
@@ -154,7 +139,7 @@ class CheckpointdMixin(_Base):
         """The root, resolved now: a relative one is under this process's working folder
         (also through the checkpoint service, and after a later chdir)."""
         self._checkpointd_writer: CheckpointWriter | None = None
-        self._checkpointd_resume: _Resume | None = None
+        self._checkpointd_resume: Resume | None = None
 
     # --- public ---
 
@@ -202,7 +187,12 @@ class CheckpointdMixin(_Base):
         self._refuse_unsupported()
         self._checkpointd_resume = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            self._checkpointd_resume = self._open_resume(resume_from_checkpoint)
+            self._checkpointd_resume = open_resume(
+                resume_from_checkpoint,
+                root=self.checkpointd_root,
+                storage_options=self.storage_options,
+                position_args=self._position_args(),
+            )
         try:
             output = super().train(
                 resume_from_checkpoint=None, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
@@ -279,43 +269,6 @@ class CheckpointdMixin(_Base):
 
     # --- resuming ---
 
-    def _open_resume(self, which: bool | int | str | tuple[str, int]) -> _Resume:
-        """Load the small components (trainer state, RNG, loop) of the checkpoint to resume.
-
-        And check that it fits this run; the rest is restored once the optimizer exists.
-        """
-        root, step = self.checkpointd_root, None
-        if isinstance(which, tuple):
-            root, step = resolve_root(which[0]), int(which[1])
-        elif isinstance(which, str | os.PathLike):
-            root = resolve_root(which)
-        elif not isinstance(which, bool):
-            step = int(which)
-        checkpoint = load(
-            root, step, components=[STATE, RNG, LOOP], storage_options=self.storage_options
-        )
-        if root == self.checkpointd_root and step is not None:
-            newest = list_checkpoints(root, storage_options=self.storage_options)[-1].step
-            if newest > step:
-                raise InvalidArgumentError(
-                    f"cannot resume from step {step} into {root}: it holds newer steps (up to "
-                    f"{newest}) of the run being rolled back, which this run's saves would "
-                    "meet; resume into another root: CheckpointdTrainer(..., "
-                    f"checkpointd_root=NEW).train(resume_from_checkpoint=({root!r}, {step}))"
-                )
-        saved = checkpoint.info.metadata.get("transformers_args", {})
-        now = self._position_args()
-        differ = [
-            f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]
-        ]
-        if differ:
-            raise RestoreMismatchError(
-                f"checkpoint {checkpoint.info.path} was saved with other training arguments, so "
-                f"its data position does not apply: {'; '.join(differ)}"
-            )
-        RNGState().check_state_dict(checkpoint.state[RNG])
-        return _Resume(root, checkpoint.info, checkpoint.state)
-
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's loop, told to resume (so it skips the batches already trained)."""
         if self._checkpointd_resume is not None:
@@ -365,8 +318,8 @@ class CheckpointdMixin(_Base):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         targets = self._trained_objects()
-        for name in (RNG, STATE, LOOP):  # already taken in _open_resume
-            targets[name] = _Applied()
+        for name in (RNG, STATE, LOOP):  # already taken by open_resume
+            targets[name] = Applied()
         restore(
             resume.root,
             targets,
