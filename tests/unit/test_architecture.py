@@ -60,3 +60,16 @@ def test_the_tree_is_read_as_drawn() -> None:
     assert "daemon/__init__.py" in documented
     assert "cli/demo.py" in documented
     assert "plan.py" not in documented
+
+
+MAX_LINES = 400
+
+
+def test_every_module_keeps_at_most_400_lines() -> None:
+    # One module, one job (issue 32): a module past this has grown a second job to move out.
+    over = {
+        p.relative_to(SRC).as_posix(): n
+        for p in sorted(SRC.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert over == {}, f"modules over {MAX_LINES} lines: {over}"
