@@ -153,7 +153,8 @@ def host_buffer(size: int, *, keep: bool) -> tuple[torch.Tensor, bool]:
     if block is None:
         if not keep or size < tunables.KEEP_MIN_BYTES:
             return torch.empty(size, dtype=torch.uint8), True
-        block = mmap.mmap(-1, size)
+        # Private: mmap's default (MAP_SHARED) is shmem, slower to fault, shared across fork.
+        block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     array = numpy.frombuffer(block, dtype=numpy.uint8, count=size)
     if keep:  # the tensor holds the array; when its last view is freed the map is kept
         weakref.finalize(array, _keep, block).atexit = False
