@@ -106,6 +106,15 @@ from tests.support.cloud_roots import (  # noqa: E402
 __all__ = ["azure_root", "azurite", "fake_gcs", "gcs_emulator", "gcs_root", "gcsemu_root"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_stopped() -> Iterator[None]:
+    """The rank zygote (tests/support/zygote.py), if a test started it, ends with the session."""
+    yield
+    from tests.support.zygote import stop_shared
+
+    stop_shared()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with the kinds of cost it carries (tests/support/kinds.py)."""
     from tests.support.kinds import mark_kinds

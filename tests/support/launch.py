@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,7 +95,12 @@ def run_ranks(
 ) -> list[dict[str, Any] | None]:
     """Run ``python -m module *args RANK WORLD PORT`` for every rank (stderr to
     OUT/stderrR.txt); wait for all, kill stragglers after ``timeout`` seconds; return
-    each rank's OUT/rankR.json (None where it wrote none)."""
+    each rank's OUT/rankR.json (None where it wrote none). The ranks are forked by the
+    session's zygote (tests/support/zygote.py), which has paid the imports once; with
+    CHECKPOINTD_TEST_ZYGOTE=0 each is a fresh interpreter instead."""
+    if os.environ.get("CHECKPOINTD_TEST_ZYGOTE", "1") != "0":
+        _run_forked(module, args, out, world, env=env, timeout=timeout)
+        return _reports(out, world)
     procs, logs = start_ranks(module, args, out, world, free_port(), env=env)
     try:
         for proc in procs:
@@ -106,6 +112,44 @@ def run_ranks(
                 proc.wait()
         for log in logs:
             log.close()
+    return _reports(out, world)
+
+
+def _run_forked(
+    module: str,
+    args: Sequence[str],
+    out: Path,
+    world: int,
+    *,
+    env: Mapping[str, str] | None,
+    timeout: float,
+) -> None:
+    from tests.support import zygote
+
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        **(env or {}),
+    }
+    forks = zygote.shared()
+    running: list[int] = []
+    try:
+        for rank in range(world):
+            rank_args = [*args, str(rank), str(world), str(port)]
+            running.append(forks.start(module, rank_args, full_env, out / f"stderr{rank}.txt"))
+        deadline = time.monotonic() + timeout
+        while running:
+            if forks.wait(running[0], max(0.0, deadline - time.monotonic())) is None:
+                raise subprocess.TimeoutExpired([module, *args], timeout)
+            running.pop(0)
+    finally:
+        for pid in running:
+            forks.kill(pid)
+
+
+def _reports(out: Path, world: int) -> list[dict[str, Any] | None]:
     reports: list[dict[str, Any] | None] = []
     for rank in range(world):
         path = out / f"rank{rank}.json"
