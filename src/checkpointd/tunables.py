@@ -48,11 +48,11 @@ S3_READ_PARALLEL = 8
 """Ranged GETs one S3 store has in flight at once (all its reading threads together)."""
 
 COPY_CHUNK_BYTES = 8 * 2**20
-"""Bytes one thread copies at a time in ``write/bytecopy.py`` (captures, memory-tier
+"""Bytes one thread copies at a time in ``memory/bytecopy.py`` (captures, memory-tier
 landings): the longest the caller waits for a helper that is already copying."""
 
 COPY_THREADS = 4
-"""Threads that copy at once in ``write/bytecopy.py``, the caller included (at most the
+"""Threads that copy at once in ``memory/bytecopy.py``, the caller included (at most the
 cores this process may use): memory bandwidth is shared, more threads gain little."""
 
 COPY_PARALLEL_MIN_BYTES = 32 * 2**20

@@ -1,4 +1,4 @@
-"""Plain CPU copies into the staging arena (write/bytecopy.py): exact bytes over chunk
+"""Plain CPU copies into the staging arena (memory/bytecopy.py): exact bytes over chunk
 and tensor boundaries, shared by helper threads or done alone; anything not plain
 (non-contiguous, conjugate, another dtype) is left to torch by capture."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpointd import tunables
-from checkpointd.write import bytecopy
+from checkpointd.memory import bytecopy
 from checkpointd.write.capture import StagingBuffer, capture
 
 

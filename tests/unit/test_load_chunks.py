@@ -13,7 +13,7 @@ import torch
 import checkpointd
 from checkpointd import tunables
 from checkpointd.format.checksum import crc32c_combine
-from checkpointd.read.hostmem import prefault
+from checkpointd.memory.hostmem import prefault
 
 
 @pytest.mark.parametrize(("first", "second"), [(0, 5), (5, 0), (1, 1), (4097, 8 << 20), (3, 12345)])

@@ -41,7 +41,7 @@ FACTS: dict[tuple[str, str], str] = {
     ("storage/s3upload.py", "MAX_OBJECT_BYTES"): "S3's own object size limit",
     ("state/storable.py", "_MSGPACK_INT_MIN"): "msgpack's int range",
     ("state/storable.py", "_MSGPACK_INT_MAX"): "msgpack's int range",
-    ("read/hostmem.py", "MADV_POPULATE_WRITE"): "a Linux madvise constant",
+    ("memory/hostmem.py", "MADV_POPULATE_WRITE"): "a Linux madvise constant",
     ("read/landing.py", "_ALIGN"): "a cache line: enough for any dtype's alignment",
     ("daemon/priority.py", "_WHO_PROCESS"): "Linux ioprio ABI",
     ("daemon/priority.py", "_CLASS_BEST_EFFORT"): "Linux ioprio ABI",

@@ -23,7 +23,7 @@ import os
 
 from checkpointd import tunables
 from checkpointd.errors import ServiceError
-from checkpointd.read.hostmem import MADV_POPULATE_WRITE
+from checkpointd.memory.hostmem import MADV_POPULATE_WRITE
 
 __all__ = ["MappedSegment", "huge_pages_mode", "map_fd", "paged", "readonly_fd", "reusable"]
 

@@ -47,6 +47,7 @@ import torch
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import Span, crc32c_each
 from checkpointd.format.manifest import ShardedTensor, ShardEntry
+from checkpointd.memory import bytecopy
 from checkpointd.read.bounce import Block, Bounce, needs_bounce, transfer_for
 from checkpointd.read.landing import bytes_of, require_unchanged
 from checkpointd.read.reader import StepReader
@@ -62,7 +63,6 @@ from checkpointd.read.targets import Taken
 from checkpointd.state.shards import Box, intersect, local_box, run_in
 from checkpointd.state.tree import alias_key, walk
 from checkpointd.storage.base import MappedFile, PinnedFile
-from checkpointd.write import bytecopy
 
 __all__ = ["Boxes"]
 

@@ -17,6 +17,7 @@ from checkpointd import tunables
 from checkpointd.errors import CorruptCheckpointError, StorageNotFoundError
 from checkpointd.format.checksum import crc32c_stream
 from checkpointd.format.header import TensorEntry
+from checkpointd.memory import bytecopy
 from checkpointd.read.bounce import Bounce, Piece, needs_bounce
 from checkpointd.read.reader import StepReader
 from checkpointd.read.strategies import (
@@ -28,7 +29,6 @@ from checkpointd.read.strategies import (
     choose,
 )
 from checkpointd.storage.base import MappedFile, PinnedFile
-from checkpointd.write import bytecopy
 
 __all__ = ["Landing", "bytes_of", "check_pass", "land_file", "require_unchanged"]
 

@@ -32,9 +32,9 @@ from checkpointd.format.manifest import (
     ShardEntry,
     step_dirname,
 )
+from checkpointd.memory.hostmem import read_checked
 from checkpointd.read import catalog
 from checkpointd.read.component_tensors import ComponentTensors, Take
-from checkpointd.read.hostmem import read_checked
 from checkpointd.read.indexes import ShardIndexes
 from checkpointd.storage import Store
 
@@ -107,7 +107,7 @@ class StepReader:
         is CheckpointNotFoundError if the step's manifest is gone too (retention
         deletes the manifest first), else CorruptCheckpointError.
         """
-        from checkpointd.read.hostmem import host_buffer, prefault
+        from checkpointd.memory.hostmem import host_buffer, prefault
 
         path = f"{self.folder}/{name}"
         size = self.files[name].size

@@ -23,9 +23,9 @@ from checkpointd.errors import UnsupportedValueError
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import REGION_ALIGN as _REGION_ALIGN
 from checkpointd.format.layout import check_component_name
+from checkpointd.memory import bytecopy
 from checkpointd.state.stateful import component_state
 from checkpointd.state.storable import CapturedShard, Source, Walker
-from checkpointd.write import bytecopy
 
 __all__ = [
     "Allocate",

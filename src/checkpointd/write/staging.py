@@ -37,7 +37,8 @@ from torch.utils.hooks import RemovableHandle
 
 from checkpointd import tunables
 from checkpointd.errors import StagingError
-from checkpointd.write import bytecopy, lifecycle
+from checkpointd.memory import bytecopy
+from checkpointd.write import lifecycle
 from checkpointd.write.capture import Copier, Copy
 
 __all__ = ["STAGING_MODES", "Stager", "Staging", "StagingMode", "copy_in_background", "tensor_key"]
