@@ -9,9 +9,9 @@ replicated over the rest), against a ``torch.distributed.TCPStore`` served by th
 process:
 
 - every simulated rank but two posts its digests and its share (``Attempt.post``, the
-  bytes ``ranks.commit`` posts), from ``--clients`` threads with a store connection each;
+  bytes ``write.ranked_commit`` posts), from ``--clients`` threads with a store connection each;
 - rank 0 (the publisher) and the last rank (a follower) run the real
-  ``ranks.commit.commit_ranked`` on a local folder (their files are a few bytes each:
+  ``write.ranked_commit.commit_ranked`` on a local folder (their files are a few bytes each:
   the store and the manifest are what is measured, not the disk);
 - then the publisher's phases once more, timed apart on the same posts: the store reads
   (``gather``), decoding the shares, the merge (``merged_manifest``),
@@ -50,11 +50,11 @@ from checkpointd import tunables
 from checkpointd.errors import CheckpointError
 from checkpointd.format.manifest import Manifest, decode_manifest, encode_manifest
 from checkpointd.ranks.attempt import Attempt, gather
-from checkpointd.ranks.commit import commit_ranked, component_digests
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import Share, indexed, merged_manifest
 from checkpointd.read.indexes import ShardIndexes
 from checkpointd.storage.local import LocalStore
+from checkpointd.write.ranked_commit import commit_ranked, component_digests
+from checkpointd.write.ranked_merge import Share, indexed, merged_manifest
 
 RESULTS = Path(__file__).parent / "results"
 SWEEP = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]

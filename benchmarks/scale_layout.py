@@ -1,7 +1,7 @@
 """The scale model's job: a 70B-parameter transformer's tensors, sharded as FSDP2 or HSDP.
 
 What each simulated rank would post after writing its share of a many-rank save,
-built as ``plan.plan_shards`` and ``ranks.commit`` build it (the same structs, file
+built as ``plan.plan_shards`` and ``write.ranked_commit`` build it (the same structs, file
 names and block CRC32C counts), without the bytes: a CRC32C value is a random
 32-bit number, which is all the manifest's size depends on. The tensor list is
 Llama-3-70B's (80 layers, hidden 8192, MLP 28672, 8 KV heads of 128, vocabulary
@@ -29,9 +29,9 @@ from checkpointd.format.layout import (
 from checkpointd.format.manifest import ComponentEntry, FileEntry, ShardedTensor, ShardEntry
 from checkpointd.format.shard_index import ShardIndex, encode_index
 from checkpointd.ranks.group import rank_key
-from checkpointd.ranks.merge import Share, indexed_share, written_shards
 from checkpointd.write.items import PlannedFile, RankFile, WriteFile, assign_ranks
 from checkpointd.write.plan import SavePlan
+from checkpointd.write.ranked_merge import Share, indexed_share, written_shards
 
 TOKEN = "3f9a1c2e"
 HIDDEN, MLP, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
@@ -148,7 +148,7 @@ def _share_of_component(
 
 
 def share_of(rank: int, mesh: Mesh, indexed: SavePlan | None = None) -> Share:
-    """What rank ``rank`` posts once its files are durable, as ``ranks.commit`` makes it
+    """What rank ``rank`` posts once its files are durable, as ``write.ranked_commit`` makes it
     of its plan (``plan_of``) and the entries of the files it wrote; ``indexed`` (a plan
     of the save, any rank's): with its shard entries in its shard index file (whose entry
     is among its files), as a job over ``tunables.SHARD_INDEX_MIN_ENTRIES`` posts it."""
@@ -173,7 +173,7 @@ def index_name(rank: int) -> str:
 
 
 def index_of(rank: int, mesh: Mesh, share: Share | None = None) -> bytes | None:
-    """The bytes of rank ``rank``'s shard index file (``ranks.merge.shard_index``), or
+    """The bytes of rank ``rank``'s shard index file (``write.ranked_merge.shard_index``), or
     None if it writes no shard (an HSDP replica whose shards another replica writes)."""
     if share is None:
         share = share_of(rank, mesh)

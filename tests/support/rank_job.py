@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.ranks import commit as rankcommit
 from checkpointd.write import commit
+from checkpointd.write import ranked_commit as rankcommit
 
 SCENARIOS = (
     "replicated",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.ranks import commit as rankcommit
+from checkpointd.write import ranked_commit as rankcommit
 
 SCENARIOS = (
     "publisher_stalled_before_deciding",

@@ -19,9 +19,9 @@ from checkpointd.errors import InvalidArgumentError
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import DIRECT_ALIGN, SaveLayout
-from checkpointd.ranks.merge import indexed
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot, plan_snapshot
+from checkpointd.write.ranked_merge import indexed
 
 
 def _snapshot() -> tuple[Snapshot, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Shard index files (schema 4): the manifest's rules for them, the reader's checks and
 its box lookups (read/indexes.py), and the publisher's checks of posts that carry no
-shard entries (ranks/merge.py)."""
+shard entries (write/ranked_merge.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from checkpointd.format.manifest import (
     schema_for,
 )
 from checkpointd.format.shard_index import ShardIndex, encode_index, uses_indexes
-from checkpointd.ranks.merge import Share, indexed_share, merged_manifest
 from checkpointd.read.indexes import ShardIndexes
 from checkpointd.write.plan import SavePlan
+from checkpointd.write.ranked_merge import Share, indexed_share, merged_manifest
 
 TREE = "m.t.tree.msgpack"
 

@@ -99,7 +99,7 @@ def test_intersect_boxes() -> None:
 
 def test_the_publisher_refuses_shards_from_ranks_that_disagree() -> None:
     from checkpointd.errors import RankFailedError
-    from checkpointd.ranks.merge import Share, _merge_shards
+    from checkpointd.write.ranked_merge import Share, _merge_shards
 
     def share(*shards: ShardEntry, dtype: str = "float32") -> Share:
         return Share([], {}, {}, {"m": {"w": ShardedTensor(dtype, [4, 6], list(shards))}})
@@ -118,7 +118,7 @@ def test_a_rank_posts_only_the_shards_it_wrote_and_the_publisher_merges_them() -
     """A replica that writes none of a tensor's shards, or holds an empty tail chunk,
     posts nothing of it; the merge still needs every byte of the tensor."""
     from checkpointd.errors import RankFailedError
-    from checkpointd.ranks.merge import Share, _merge_shards, written_shards
+    from checkpointd.write.ranked_merge import Share, _merge_shards, written_shards
 
     empty = shard([4, 0], [0, 6], file="m.t.rank2.safetensors")
     components = {

@@ -30,11 +30,11 @@ from checkpointd.format.layout import (
     tree_file_name,
 )
 from checkpointd.format.manifest import FileEntry, decode_manifest
-from checkpointd.ranks.merge import shard_index, written_shards
 from checkpointd.write.capture import CapturedComponent
 from checkpointd.write.items import RankFile, WriteFile
 from checkpointd.write.loop import InProcessBackend
 from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
+from checkpointd.write.ranked_merge import shard_index, written_shards
 
 from . import protocol as p
 from .memtier import HeldCheckpoint

@@ -2,7 +2,7 @@
 
 Runs on the writer's event loop; blocking storage calls go to worker threads.
 It knows files and blobs, not components: the plan (plan.py) says what to write,
-and this is the one way any save's items become durable (ranks/commit.py runs
+and this is the one way any save's items become durable (write/ranked_commit.py runs
 the same steps on each rank for its share). Order: create the step folder;
 write every planned file concurrently (bounded), each under a name unique to
 this attempt, to a temporary name or an uncommitted upload, computing CRC32C as

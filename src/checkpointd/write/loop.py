@@ -264,7 +264,7 @@ class InProcessBackend:
         self, plan: SavePlan, *, limiter: anyio.CapacityLimiter, number: int
     ) -> tuple[CheckpointInfo, Manifest | None]:
         """Make ``plan`` durable, the one way for every kind of save: commit.publish_plan
-        alone, ranks.commit.commit_ranked (attempt ``number``) with a group. Returns the
+        alone, write.ranked_commit.commit_ranked (attempt ``number``) with a group. Returns the
         CheckpointInfo and the manifest where this process has it (alone; a rank reads
         only the publisher's summary)."""
         if self.group is None:
@@ -273,7 +273,7 @@ class InProcessBackend:
             )
             self.committed_plan(plan, manifest.files)
             return info_of(self.store, manifest), manifest
-        from checkpointd.ranks.commit import commit_ranked
+        from checkpointd.write.ranked_commit import commit_ranked
 
         written: list[FileEntry] = []
         info = await commit_ranked(

@@ -1,7 +1,7 @@
 """What a save writes: the plan that turns a captured snapshot into files and blobs.
 
 The plan knows components, trees and the safetensors layout; the commit
-protocol (commit.py, and ranks/commit.py for many ranks) knows none of that: it
+protocol (commit.py, and write/ranked_commit.py for many ranks) knows none of that: it
 writes, checks and publishes whatever items a plan lists (items.py: files and
 blobs, each with the rank that makes it durable), and records the plan's
 component entries in the manifest. Made in a worker thread of the writer's event
@@ -107,7 +107,7 @@ class SavePlan:
     per_rank: dict[str, str] = field(default_factory=dict)
     """As ``Snapshot.per_rank``: these components are this rank's alone."""
     layout: SaveLayout = field(default_factory=SaveLayout.now)
-    """As ``Snapshot.layout`` (``ranks/merge.indexed`` reads its ``shard_index_min``)."""
+    """As ``Snapshot.layout`` (``write/ranked_merge.indexed`` reads its ``shard_index_min``)."""
 
     @classmethod
     def of(

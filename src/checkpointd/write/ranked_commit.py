@@ -54,15 +54,6 @@ from checkpointd.ranks.attempt import (
     wait_for,
 )
 from checkpointd.ranks.group import Group
-from checkpointd.ranks.merge import (
-    Share,
-    Summary,
-    indexed,
-    indexed_share,
-    merged_manifest,
-    shard_index,
-    written_shards,
-)
 from checkpointd.read.catalog import read_manifest, step_path
 from checkpointd.storage import FileSink, Store
 from checkpointd.storage.base import shown
@@ -78,6 +69,15 @@ from checkpointd.write.commit import (
 from checkpointd.write.handle import first_leaf
 from checkpointd.write.items import WriteFile
 from checkpointd.write.plan import SavePlan
+from checkpointd.write.ranked_merge import (
+    Share,
+    Summary,
+    indexed,
+    indexed_share,
+    merged_manifest,
+    shard_index,
+    written_shards,
+)
 
 __all__ = ["commit_ranked", "component_digests"]
 
