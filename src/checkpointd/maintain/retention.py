@@ -43,10 +43,10 @@ from checkpointd.errors import InvalidArgumentError, RetentionWarning, StorageEr
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import CheckpointInfo, Manifest
 from checkpointd.maintain.deletion import delete_checkpoint, delete_checkpoints
-from checkpointd.maintain.lineage import WriterIdentity
 from checkpointd.maintain.soundness import Checked, checked_plan, present, verified
 from checkpointd.read.catalog import committed as committed_manifests
 from checkpointd.read.catalog import step_path
+from checkpointd.read.lineage import WriterIdentity
 from checkpointd.storage import Store
 from checkpointd.storage.base import shown
 

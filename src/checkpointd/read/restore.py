@@ -26,11 +26,11 @@ from checkpointd.errors import (
     CorruptCheckpointError,
 )
 from checkpointd.format.manifest import CheckpointInfo, Manifest
-from checkpointd.maintain.lineage import note_resumed
 from checkpointd.ranks.group import place_in
 from checkpointd.read import bounce, catalog, inplace, todevice
 from checkpointd.read.apply import Prepared, apply_prepared, prepare
 from checkpointd.read.catalog import list_checkpoints
+from checkpointd.read.lineage import note_resumed
 from checkpointd.read.reader import StepReader
 from checkpointd.state.tree import map_tree
 from checkpointd.storage import Store, open_store, resolve_root

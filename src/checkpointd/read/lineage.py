@@ -1,7 +1,7 @@
 """Lineage: a restarted job continues its own checkpoints instead of sparing them as another's.
 
 Retention spares another writer instance's fresh checkpoints for a grace
-window (retention.py). A job restarted on its root is a new writer instance,
+window (maintain/retention.py). A job restarted on its root is a new writer instance,
 so without more it would spare its own previous run's checkpoints too and
 keep about twice ``keep_last`` for that window. A lineage names a line of
 writer instances that continue one another: each manifest records one
