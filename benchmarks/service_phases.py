@@ -78,9 +78,10 @@ def _timed(owner: Any, name: str, phase: str | Callable[..., str | None]) -> Non
 
 
 def _instrument() -> None:
+    from checkpointd.api import writer_base
     from checkpointd.daemon import client, protocol, remote, segments
     from checkpointd.state import optimizers
-    from checkpointd.write import capture, lifecycle, loop, writer_base
+    from checkpointd.write import capture, lifecycle, loop
 
     def kind(_self: Any, message: type, **_: Any) -> str | None:
         return {protocol.Alloc: "alloc", protocol.Submit: "submit_rtt"}.get(message)

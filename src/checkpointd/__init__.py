@@ -25,6 +25,9 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 # The lazy names, by home module: the one table __getattr__ and __all__ read.
 _HOMES: dict[str, tuple[str, ...]] = {
+    "checkpointd.api.async_writer": ("AsyncCheckpointWriter",),
+    "checkpointd.api.restore": ("restore",),
+    "checkpointd.api.writer": ("CheckpointWriter", "SaveHandle"),
     "checkpointd.format.manifest": ("CheckpointInfo",),
     "checkpointd.interop.foreign": ("import_checkpoint",),
     "checkpointd.maintain.retention": ("RetentionPolicy",),
@@ -35,15 +38,12 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "SkippedStep",
         "list_checkpoints",
         "load",
-        "restore",
     ),
     "checkpointd.rebuild.allowlist": ("BUILTIN_ALLOW",),
     "checkpointd.rebuild.build": ("build",),
     "checkpointd.rebuild.spec": ("spec",),
     "checkpointd.state.progress": ("TrainingProgress",),
     "checkpointd.state.rng": ("RNGState",),
-    "checkpointd.write.async_writer": ("AsyncCheckpointWriter",),
-    "checkpointd.write.writer": ("CheckpointWriter", "SaveHandle"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -72,6 +72,10 @@ if _typing.TYPE_CHECKING:
     # The same table as imports, for type checkers (they cannot run __getattr__); the
     # ``X as X`` form marks each a re-export. tests/unit/test_package.py keeps it and
     # _HOMES in step.
+    from checkpointd.api.async_writer import AsyncCheckpointWriter as AsyncCheckpointWriter
+    from checkpointd.api.restore import restore as restore
+    from checkpointd.api.writer import CheckpointWriter as CheckpointWriter
+    from checkpointd.api.writer import SaveHandle as SaveHandle
     from checkpointd.format.manifest import CheckpointInfo as CheckpointInfo
     from checkpointd.interop.foreign import import_checkpoint as import_checkpoint
     from checkpointd.maintain.retention import RetentionPolicy as RetentionPolicy
@@ -82,15 +86,11 @@ if _typing.TYPE_CHECKING:
     from checkpointd.read.restore import SkippedStep as SkippedStep
     from checkpointd.read.restore import list_checkpoints as list_checkpoints
     from checkpointd.read.restore import load as load
-    from checkpointd.read.restore import restore as restore
     from checkpointd.rebuild.allowlist import BUILTIN_ALLOW as BUILTIN_ALLOW
     from checkpointd.rebuild.build import build as build
     from checkpointd.rebuild.spec import spec as spec
     from checkpointd.state.progress import TrainingProgress as TrainingProgress
     from checkpointd.state.rng import RNGState as RNGState
-    from checkpointd.write.async_writer import AsyncCheckpointWriter as AsyncCheckpointWriter
-    from checkpointd.write.writer import CheckpointWriter as CheckpointWriter
-    from checkpointd.write.writer import SaveHandle as SaveHandle
 else:
     # Hidden from type checkers: mypy reads only a literal __all__ and would take this
     # derived one as empty, making every name above private.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-_PRELOAD = ("torch", "torch.distributed", "checkpointd", "checkpointd.write.writer")
+_PRELOAD = ("torch", "torch.distributed", "checkpointd", "checkpointd.api.writer")
 
 
 class ZygoteError(RuntimeError):

@@ -47,9 +47,9 @@ def test_a_save_logs_its_lifecycle_in_order_under_each_modules_name(
         writer.save(2, _state(2.0)).result(60)
     records = _records(caplog)
     debug, info = logging.DEBUG, logging.INFO
-    started = _index(records, "checkpointd.write.writer_base", debug, "step 2 of ")
+    started = _index(records, "checkpointd.api.writer_base", debug, "step 2 of ")
     assert local_root.url in records[started][2]
-    staged = _index(records, "checkpointd.write.writer_base", debug, "step 2: staged")
+    staged = _index(records, "checkpointd.api.writer_base", debug, "step 2: staged")
     durable = [
         i
         for i, (n, lv, m) in enumerate(records)

@@ -46,7 +46,7 @@ def test_every_public_name_resolves_in_a_fresh_interpreter() -> None:
 def test_public_names_win_over_submodules_of_the_same_name() -> None:
     # checkpointd.restore is the function, also once the submodule restore is imported.
     _run(
-        "import checkpointd.read.restore, checkpointd.write.writer, checkpointd\n"
+        "import checkpointd.read.restore, checkpointd.api.writer, checkpointd\n"
         "assert callable(checkpointd.restore) and checkpointd.restore.__name__ == 'restore'\n"
         "from checkpointd.read.restore import RestoreInfo\n"
         "assert checkpointd.RestoreInfo is RestoreInfo"

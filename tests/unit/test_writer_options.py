@@ -20,8 +20,8 @@ from checkpointd import (
     load,
     tunables,
 )
+from checkpointd.api.writer_base import WriterBase
 from checkpointd.write.options import WriterKeywords, WriterOptions
-from checkpointd.write.writer_base import WriterBase
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from checkpointd.read.restore import list_checkpoints, restore
+from checkpointd.api.restore import restore
+from checkpointd.api.writer import CheckpointWriter, SaveHandle
+from checkpointd.read.restore import list_checkpoints
 from checkpointd.state.progress import TrainingProgress
 from checkpointd.state.rng import RNGState
 from checkpointd.storage import resolve_root
-from checkpointd.write.writer import CheckpointWriter, SaveHandle
 
 __all__ = ["DemoConfig", "run_demo"]
 

@@ -61,12 +61,13 @@ from typing import Any
 
 import torch
 
+from checkpointd.api.restore import restore
+from checkpointd.api.writer import CheckpointWriter
 from checkpointd.errors import RestoreMismatchError
 from checkpointd.integrations.accelerate_prepared import on_last_batch, prepared
-from checkpointd.read.restore import RestoreInfo, restore
+from checkpointd.read.restore import RestoreInfo
 from checkpointd.state.rng import RNGState
 from checkpointd.write.handle import SaveHandle
-from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["accelerator_state", "load_state", "rest_of_epoch", "save_state"]
 

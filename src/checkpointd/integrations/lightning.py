@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import torch
 
 from checkpointd import tunables
+from checkpointd.api.writer import CheckpointWriter
 from checkpointd.errors import CheckpointWarning, InvalidArgumentError
 from checkpointd.integrations.lightning_paths import checkpoint_root, last_checkpoint
 from checkpointd.integrations.lightning_state import checkpoint_of, components_of, step_of
@@ -66,7 +67,6 @@ from checkpointd.read.restore import load
 from checkpointd.write.capture import BufferPool
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.options import WriterKeywords, WriterOptions
-from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdIO", "checkpoint_root", "last_checkpoint"]
 

@@ -51,14 +51,14 @@ from torchtitan.components.checkpointer import (
     ModelWrapper,
 )
 
+from checkpointd.api.restore import restore
+from checkpointd.api.writer import CheckpointWriter
 from checkpointd.errors import CheckpointWarning
 from checkpointd.ranks.group import PerRank
 from checkpointd.read.catalog import list_checkpoints
-from checkpointd.read.restore import restore
 from checkpointd.state.rng import RNGState
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.options import WriterOptions
-from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdManager"]
 

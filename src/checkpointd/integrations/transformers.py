@@ -66,6 +66,8 @@ import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
 
+from checkpointd.api.restore import restore
+from checkpointd.api.writer import CheckpointWriter
 from checkpointd.errors import InvalidArgumentError
 from checkpointd.integrations.transformers_resume import (
     LOOP,
@@ -80,11 +82,9 @@ from checkpointd.integrations.transformers_resume import (
     open_resume,
 )
 from checkpointd.read.catalog import list_checkpoints
-from checkpointd.read.restore import restore
 from checkpointd.state.rng import RNGState
 from checkpointd.storage import resolve_root
 from checkpointd.write.options import WriterKeywords, WriterOptions
-from checkpointd.write.writer import CheckpointWriter
 
 __all__ = ["CheckpointdMixin", "CheckpointdTrainer"]
 

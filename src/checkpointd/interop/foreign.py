@@ -206,7 +206,7 @@ def import_checkpoint(
     kind, value = read_source(os.fspath(source))
     components, named_step = components_of(kind, value, component)
     found = step if step is not None else named_step if named_step is not None else 0
-    from checkpointd.write.writer import CheckpointWriter
+    from checkpointd.api.writer import CheckpointWriter
 
     with CheckpointWriter(root, storage_options=storage_options) as writer:
         writer.save(found, components).result()

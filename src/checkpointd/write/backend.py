@@ -1,7 +1,7 @@
 """The one seam between a writer's front end and whatever makes its saves durable.
 
 A writer (``CheckpointWriter``, ``AsyncCheckpointWriter``) picks one backend when it
-is made (``write/opening.open_backend``) and talks to it only through
+is made (``api/opening.open_backend``) and talks to it only through
 ``WriteBackend``:
 
 - ``write/loop.InProcessBackend``: plans and commits in this process, on an event

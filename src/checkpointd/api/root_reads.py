@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from checkpointd.api.restore import restore
 from checkpointd.format.manifest import CheckpointInfo
-from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load, restore
+from checkpointd.read.restore import Checkpoint, RestoreInfo, list_checkpoints, load
 from checkpointd.write.options import WriterOptions
 
 __all__ = ["RootReads"]

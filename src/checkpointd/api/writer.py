@@ -38,7 +38,7 @@ from checkpointd.write.loop import newest_committed
 
 if TYPE_CHECKING:
     from checkpointd.write.preemption import PreemptionWatch
-from checkpointd.write.writer_base import WriterBase
+from checkpointd.api.writer_base import WriterBase
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 

@@ -18,6 +18,7 @@ import anyio.to_thread
 import torch
 from anyio.abc import TaskGroup
 
+from checkpointd.api.writer_base import WriterBase
 from checkpointd.errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -28,7 +29,6 @@ from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.read.restore import Checkpoint, RestoreInfo
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import newest_committed
-from checkpointd.write.writer_base import WriterBase
 
 __all__ = ["AsyncCheckpointWriter"]
 

@@ -19,18 +19,19 @@ from typing import Any, Literal
 import anyio
 
 from checkpointd import tunables
+from checkpointd.api import opening
+from checkpointd.api.root_reads import RootReads
 from checkpointd.errors import CheckpointTimeoutError, UnsupportedValueError, WriterClosedError
 from checkpointd.format.manifest import SpecEntry
 from checkpointd.maintain.retention import RetentionPolicy
 from checkpointd.ranks.group import split_state
 from checkpointd.storage.base import shown
-from checkpointd.write import lifecycle, opening
+from checkpointd.write import lifecycle
 from checkpointd.write.capture import BufferPool, StagingBuffer, capture
 from checkpointd.write.handle import SaveHandle
 from checkpointd.write.loop import NewerSteps
 from checkpointd.write.options import SaveTarget, WriterOptions
 from checkpointd.write.plan import Snapshot
-from checkpointd.write.root_reads import RootReads
 from checkpointd.write.save_checks import check_step
 from checkpointd.write.staging import Stager, Staging, StagingMode
 from checkpointd.write.writer_args import plain_metrics_and_metadata
