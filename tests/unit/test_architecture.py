@@ -1,7 +1,9 @@
-"""docs/architecture.md names every module of the package, and only modules that exist."""
+"""docs/architecture.md names every module of the package, and only modules that exist; its
+subpackages import only the layers below them, in the order the document declares."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -73,3 +75,77 @@ def test_every_module_keeps_at_most_400_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert over == {}, f"modules over {MAX_LINES} lines: {over}"
+
+
+def declared_layers() -> list[str]:
+    """The subpackages in the order docs/architecture.md's "Layers" section lists them,
+    lowest first (the section draws them top down)."""
+    section = DOC.read_text().split("\n## Layers\n", 1)[1]
+    block = section.split("```", 2)[1]
+    return [line.split()[0] for line in reversed(block.strip("\n").splitlines())]
+
+
+def package_imports(src: Path = SRC) -> dict[str, dict[str, str]]:
+    """Subpackage -> the other subpackages it imports, each with one importing module.
+
+    Every import counts, at module level or inside a function (it runs when called); an
+    import under ``if TYPE_CHECKING:`` never runs and does not count. Relative imports are
+    resolved; ``from checkpointd import read`` counts as importing ``read``.
+    """
+    packages = {p.name for p in src.iterdir() if (p / "__init__.py").is_file()}
+    found: dict[str, dict[str, str]] = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        if len(parts) < 2:
+            continue  # the package root's modules sit above every layer
+        own = parts[0]
+        tree = ast.parse(path.read_text())
+        skipped: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for inner in node.body:
+                    skipped.update(id(x) for x in ast.walk(inner))
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets: list[list[str]] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name.split(".") for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    package = ["checkpointd", *parts[:-1]]
+                    base = package[: len(package) - (node.level - 1)]
+                else:
+                    base = []
+                module = [*base, *(node.module.split(".") if node.module else [])]
+                targets = [module] if len(module) > 1 else []
+                if module == ["checkpointd"]:
+                    targets = [["checkpointd", alias.name] for alias in node.names]
+            for target in targets:
+                if target[0] != "checkpointd" or len(target) < 2:
+                    continue
+                other = target[1]
+                if other in packages and other != own:
+                    found.setdefault(own, {}).setdefault(other, path.relative_to(src).as_posix())
+    return found
+
+
+def test_layers_name_every_subpackage_once() -> None:
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    layers = declared_layers()
+    assert len(layers) == len(set(layers)), f"a package is listed twice: {layers}"
+    assert sorted(layers) == sorted(packages)
+
+
+def test_subpackages_import_only_lower_layers() -> None:
+    # Issue 32: the subpackages form a DAG, in the order docs/architecture.md declares
+    # (function-level imports count; TYPE_CHECKING ones do not). Before, read, write,
+    # ranks, maintain, rebuild and daemon reached each other in 12 pairs.
+    rank = {name: i for i, name in enumerate(declared_layers())}
+    upward = sorted(
+        f"{module} imports {other} ({package} is not above {other})"
+        for package, others in package_imports().items()
+        for other, module in others.items()
+        if rank[other] >= rank[package]
+    )
+    assert upward == [], "imports against the declared layers:\n" + "\n".join(upward)
