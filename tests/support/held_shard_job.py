@@ -4,7 +4,7 @@
 
 ROOT holds step 1 of tests/support/inplace_job.py's ``save``. Each rank builds the held
 copy by hand, as the service holds one (every file of the step in one writable anonymous
-mapping, served by ``daemon.memtier.MemoryStore``), and ``checkpointd.restore(...,
+mapping, served by ``daemon.memstore.MemoryStore``), and ``checkpointd.restore(...,
 service=...)`` is handed that copy where it would have asked the service for it
 (``recall.held_copy``), so restore's own fallback to storage runs. The targets are
 inplace_job's (model and optimizer built from another seed and trained one step, Picky).
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import checkpointd
 from checkpointd import tunables
 from checkpointd.daemon import recall
-from checkpointd.daemon.memtier import MemoryStore, ReadOnlyStore
+from checkpointd.daemon.memstore import MemoryStore, ReadOnlyStore
 from checkpointd.daemon.protocol import HeldFile
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.read import boxes, catalog

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon.memtier import MemoryStore
+from checkpointd.daemon.memstore import MemoryStore
 from checkpointd.daemon.protocol import HeldFile
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.header import header_length, parse_safetensors_header

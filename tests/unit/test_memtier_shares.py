@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.daemon.memtier import HeldCheckpoint, MemoryStore, MemoryTier
+from checkpointd.daemon.memstore import MemoryStore
+from checkpointd.daemon.memtier import HeldCheckpoint, MemoryTier
 from checkpointd.daemon.overlay import MIXED_SOURCE, OverlayStore
 from checkpointd.daemon.protocol import HeldFile
 from checkpointd.daemon.recall import servable

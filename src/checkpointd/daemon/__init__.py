@@ -4,7 +4,8 @@ writing them even if the training process dies (README, "The checkpoint service"
 - paths.py: the socket's folder, its permissions and the peer credential check
 - protocol.py: the typed messages (msgspec structs, a tagged union) and their framing
 - shm.py: shared-memory segments (memfd), mapped by the service and its clients
-- memtier.py: committed checkpoints held in memory, and the read-only Store over them
+- memtier.py: committed checkpoints the service holds in memory, by root
+- memstore.py: the read-only Store a restoring client reads a held checkpoint through
 - snapshot.py: a captured Snapshot described for the service and rebuilt there, and
   what the memory tier keeps of it once committed
 - memory.py: the shared memory the service holds, its limit, and lending to restores
@@ -17,5 +18,5 @@ writing them even if the training process dies (README, "The checkpoint service"
 - remote.py: the writer's side of a save through the service
 - recall.py: ``restore(..., service=...)`` from the memory tier
 
-paths, protocol, shm, memtier, memory, priority and client import no torch (``checkpointd status``).
+paths, protocol, shm, memtier, memstore, memory, priority and client import no torch (``checkpointd status``).
 """

@@ -16,7 +16,7 @@ from checkpointd.format.layout import MANIFEST_NAME
 from checkpointd.storage import Store
 from checkpointd.storage.base import PinnedFile
 
-from .memtier import MemoryStore, ReadOnlyStore
+from .memstore import MemoryStore, ReadOnlyStore
 
 __all__ = ["MIXED_SOURCE", "OverlayStore"]
 

@@ -33,7 +33,7 @@ from checkpointd.write.loop import newest_committed
 
 from . import protocol as p
 from .client import Connection, connect
-from .memtier import MemoryStore
+from .memstore import MemoryStore
 from .overlay import OverlayStore
 from .shm import map_fd
 
