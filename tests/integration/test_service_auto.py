@@ -4,9 +4,7 @@ after the service died starts a new one."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -18,28 +16,14 @@ import checkpointd
 from checkpointd.daemon.client import status
 from checkpointd.daemon.paths import default_socket
 from checkpointd.errors import ServiceError
-from tests.support.service import reap, socket_folder, trainer
+from tests.support.service import auto_socket_env, reap, trainer
 from tests.support.service_jobs import expected_state
 
 
 @pytest.fixture
 def auto_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """CHECKPOINTD_SOCKET in a fresh folder; whatever service ends up there is stopped."""
-    folder = socket_folder()
-    socket = os.path.join(folder, "sock")
-    monkeypatch.setenv("CHECKPOINTD_SOCKET", socket)
-    monkeypatch.setenv("CHECKPOINTD_IDLE_EXIT", "60")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parents[2] / "src")]))
-    try:
+    with auto_socket_env(monkeypatch) as socket:
         yield socket
-    finally:
-        with contextlib.suppress(Exception):
-            os.kill(status(socket).pid, signal.SIGTERM)
-        time.sleep(0.2)
-        log = Path(folder, "service.log")
-        if log.exists():
-            print(log.read_text())  # shown when the test fails
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pid_of_service(proc_out: str) -> int:

@@ -7,14 +7,9 @@ before anything is sent, and the service refuses a relative one.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,57 +18,26 @@ import pytest
 import checkpointd
 from checkpointd.daemon import protocol as p
 from checkpointd.daemon.client import Connection, status
-from tests.support.service import child_env, socket_folder, wait_answers
+from tests.support.service import auto_socket_env, child_env, running_service
 from tests.support.service_jobs import expected_state
 
 
 @pytest.fixture
 def served_elsewhere(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``checkpointd serve`` started in its own folder ``tmp_path/x``: its socket, folder."""
-    folder = socket_folder()
     there = tmp_path / "x"
     there.mkdir()
-    socket = os.path.join(folder, "sock")
-    with (Path(folder) / "serve.log").open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpointd", "serve", "--socket", socket],
-            env=child_env(),
-            cwd=there,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-        )
-    try:
-        wait_answers(socket, proc=proc)
-        yield socket, there
-    finally:
-        proc.terminate()
+    with running_service(cwd=there) as service:
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        print((Path(folder) / "serve.log").read_text(errors="replace"))  # shown on failure
-        shutil.rmtree(folder, ignore_errors=True)
+            yield service.socket, there
+        finally:
+            print(service.log_text())  # shown on failure
 
 
 @pytest.fixture
 def auto_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """CHECKPOINTD_SOCKET in a fresh folder; whatever service ends up there is stopped."""
-    folder = socket_folder()
-    socket = os.path.join(folder, "sock")
-    monkeypatch.setenv("CHECKPOINTD_SOCKET", socket)
-    monkeypatch.setenv("CHECKPOINTD_IDLE_EXIT", "60")
-    try:
+    with auto_socket_env(monkeypatch) as socket:
         yield socket
-    finally:
-        with contextlib.suppress(Exception):
-            os.kill(status(socket).pid, signal.SIGTERM)
-        time.sleep(0.2)
-        log = Path(folder, "service.log")
-        if log.exists():
-            print(log.read_text())  # shown when the test fails
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _job(cwd: Path, service: str, root: str, *args: object) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,7 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpointd.daemon.client import Connection
+import pytest
+
+from checkpointd.daemon.client import Connection, status
 from checkpointd.daemon.protocol import HeldFile
 from checkpointd.errors import ServiceError
 
@@ -97,9 +100,11 @@ def start_service(
     *args: str,
     gate: str | None = None,
     hold: str = "make_dir",
+    cwd: Path = REPO,
 ) -> Service:
-    """``checkpointd serve --socket FOLDER/sock *args``, once it answers. With ``gate``,
-    every save's writes wait until that file exists (service_jobs.held_serve)."""
+    """``checkpointd serve --socket FOLDER/sock *args`` run in ``cwd``, once it answers.
+    With ``gate``, every save's writes wait until that file exists
+    (service_jobs.held_serve)."""
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
     command = ["-m", "checkpointd", "serve"]
@@ -109,7 +114,7 @@ def start_service(
         proc = subprocess.Popen(
             [sys.executable, *command, "--socket", socket, *args],
             env=child_env(),
-            cwd=REPO,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
@@ -125,18 +130,39 @@ def start_service(
 
 @contextmanager
 def running_service(
-    *args: str, gate: str | None = None, hold: str = "make_dir"
+    *args: str, gate: str | None = None, hold: str = "make_dir", cwd: Path = REPO
 ) -> Iterator[Service]:
     """A service in a fresh socket folder for the block; stopped (and the folder
     removed) after."""
     folder = socket_folder()
     try:
-        running = start_service(folder, *args, gate=gate, hold=hold)
+        running = start_service(folder, *args, gate=gate, hold=hold, cwd=cwd)
         try:
             yield running
         finally:
             running.stop()
     finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def auto_socket_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``CHECKPOINTD_SOCKET`` in a fresh folder, for ``service="auto"``; whatever service
+    ends up there is stopped after the block, its log printed (shown when a test fails)."""
+    folder = socket_folder()
+    socket = os.path.join(folder, "sock")
+    monkeypatch.setenv("CHECKPOINTD_SOCKET", socket)
+    monkeypatch.setenv("CHECKPOINTD_IDLE_EXIT", "60")
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "src"))
+    try:
+        yield socket
+    finally:
+        with contextlib.suppress(Exception):
+            os.kill(status(socket).pid, signal.SIGTERM)
+        time.sleep(0.2)
+        log = Path(folder, "service.log")
+        if log.exists():
+            print(log.read_text())
         shutil.rmtree(folder, ignore_errors=True)
 
 
