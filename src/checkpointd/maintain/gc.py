@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from checkpointd.format.manifest import CheckpointInfo
 from checkpointd.maintain.cleanup import Leftover, remove_leftovers, scan_leftovers
+from checkpointd.maintain.deletion import delete_checkpoints
 from checkpointd.maintain.retention import (
     RetentionPlan,
     RetentionPolicy,
-    delete_checkpoints,
     plan_retention,
 )
 from checkpointd.maintain.soundness import checked_plan, verified

@@ -32,7 +32,7 @@ import msgspec
 from checkpointd import tunables
 from checkpointd.errors import CheckpointError, StorageError
 from checkpointd.format.layout import BLOBS_DIR, PINS_DIR, parse_step_dirname, step_dirname
-from checkpointd.maintain.retention import delete_checkpoints
+from checkpointd.maintain.deletion import delete_checkpoints
 from checkpointd.read import catalog
 from checkpointd.storage import Store, open_store
 
@@ -131,7 +131,7 @@ def unmark_root(root: str, storage_options: Mapping[str, Any] | None = None) -> 
 
 def delete_root(store: Store) -> None:
     """Delete everything under ``store``'s root, never leaving a torn checkpoint: the
-    committed checkpoints manifest first (retention.delete_checkpoints, shared blobs
+    committed checkpoints manifest first (deletion.delete_checkpoints, shared blobs
     reference-aware), then the rest, then the root itself (the marker with it).
 
     Call only once no save into the root is in flight."""

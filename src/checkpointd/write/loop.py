@@ -25,11 +25,11 @@ from checkpointd.errors import (
     WriterClosedError,
 )
 from checkpointd.format.manifest import CheckpointInfo, FileEntry, Manifest
+from checkpointd.maintain.deletion import delete_checkpoints
 from checkpointd.maintain.retention import (
     RetentionPolicy,
     WriterIdentity,
     apply_retention,
-    delete_checkpoints,
 )
 from checkpointd.read import catalog
 from checkpointd.storage import Store
