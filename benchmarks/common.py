@@ -343,7 +343,7 @@ def start_service(
     """``checkpointd serve --socket FOLDER/sock ARGS`` (its output in ``FOLDER/serve.log``,
     ``env`` by default ``repo_env()``), returned once it accepts a connection;
     ServiceError if it exits or does not answer within 60 s."""
-    from checkpointd.daemon.client import Connection
+    from checkpointd.daemon.client.client import Connection
     from checkpointd.errors import ServiceError
 
     socket = os.path.join(folder, "sock")

@@ -79,7 +79,8 @@ def _timed(owner: Any, name: str, phase: str | Callable[..., str | None]) -> Non
 
 def _instrument() -> None:
     from checkpointd.api import writer_base
-    from checkpointd.daemon import client, protocol, remote, segments
+    from checkpointd.daemon.client import client, remote, segments
+    from checkpointd.daemon.wire import protocol
     from checkpointd.state import optimizers
     from checkpointd.write import capture, lifecycle, loop
 

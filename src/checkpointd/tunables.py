@@ -237,7 +237,7 @@ by the task beside it, and each wait that times out logs two c10d warnings."""
 PUBLISH_WAIT_SECONDS = 4 * STALE_SECONDS
 """How long a trainer whose service died waits for a committed attempt to be published
 (by its publisher, or by a follower standing in for a dead one) before it says it does
-not know (daemon/follow.py): four times ``STALE_SECONDS``, so a dead publisher is
+not know (daemon/client/follow.py): four times ``STALE_SECONDS``, so a dead publisher is
 noticed and stood in for first. Raise it with ``STALE_SECONDS``."""
 
 STORE_VALUE_BYTES = 4 * 2**20
@@ -262,7 +262,7 @@ CONNECT_SECONDS = 10.0
 taken for not answering."""
 
 CLIENT_MAPS_KEPT = 2
-"""Segment mappings a trainer keeps for reuse (daemon/segments.py): the one being filled
+"""Segment mappings a trainer keeps for reuse (daemon/client/segments.py): the one being filled
 and the one the service keeps or holds as its spare, so nothing stays mapped longer
 than a save only for reuse."""
 

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkpointd
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.client import Connection, status
-from checkpointd.daemon.frames import FrameReader
-from checkpointd.daemon.paths import check_folder, peer_uid
+from checkpointd.daemon.client.client import Connection, status
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.frames import FrameReader
+from checkpointd.daemon.wire.paths import check_folder, peer_uid
 from checkpointd.errors import ServiceError, ServiceMemoryError
 from tests.support.service import (
     Service,
@@ -228,7 +228,7 @@ def test_another_user_is_refused(service: Service) -> None:
     os.chmod(service.socket, 0o777)
     code = (
         "import os, socket, sys\n"
-        "from checkpointd.daemon.frames import FrameReader\n"
+        "from checkpointd.daemon.wire.frames import FrameReader\n"
         "os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
         "r = FrameReader(s); m = r.read(); print(type(m).__name__, m.message); print(r.read())\n"

@@ -22,9 +22,9 @@ import msgspec
 import pytest
 
 import checkpointd
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.client import status
-from checkpointd.daemon.frames import FrameReader
+from checkpointd.daemon.client.client import status
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.frames import FrameReader
 from tests.support.service import (
     REPO,
     Service,
@@ -390,7 +390,7 @@ def test_one_byte_segments_are_capped_and_count_a_page(tmp_path: Path) -> None:
 _ACCEPTING = """
 import collections, os, resource, sys
 import anyio
-from checkpointd.daemon.admission import accept_loop
+from checkpointd.daemon.server.admission import accept_loop
 
 async def main() -> None:
     listener = await anyio.create_unix_listener(sys.argv[1])

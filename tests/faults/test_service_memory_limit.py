@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import checkpointd
-from checkpointd.daemon.client import status
+from checkpointd.daemon.client.client import status
 from tests.support.service import REPO, child_env, reap, running_service, wait_for
 
 MIB = 1024 * 1024

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon.client import status
-from checkpointd.daemon.priority import io_priority
+from checkpointd.daemon.client.client import status
+from checkpointd.daemon.server.priority import io_priority
 from checkpointd.errors import ServiceError
 from tests.support.service import (
     Service,
@@ -210,8 +210,9 @@ def test_the_writers_chunk_bytes_reaches_the_service(service: Service, tmp_path:
 def test_a_save_the_service_refuses_after_save_returned_fails_its_handle(
     service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from checkpointd.daemon import protocol as p
-    from checkpointd.daemon import remote, snapshot
+    from checkpointd.daemon.client import remote
+    from checkpointd.daemon.wire import protocol as p
+    from checkpointd.daemon.wire import snapshot
 
     def out_of_bounds(captured: object) -> p.SnapshotDesc:
         desc = snapshot.describe(captured)  # type: ignore[arg-type]

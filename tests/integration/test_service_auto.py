@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import checkpointd
-from checkpointd.daemon.client import status
-from checkpointd.daemon.paths import default_socket
+from checkpointd.daemon.client.client import status
+from checkpointd.daemon.wire.paths import default_socket
 from checkpointd.errors import ServiceError
 from tests.support.service import auto_socket_env, reap, trainer
 from tests.support.service_jobs import expected_state

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.client import connect, status
-from checkpointd.daemon.paths import parse_size
-from checkpointd.daemon.shm import map_fd
+from checkpointd.daemon.client.client import connect, status
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.paths import parse_size
+from checkpointd.daemon.wire.shm import map_fd
 from checkpointd.errors import InvalidArgumentError, ServiceMemoryError
 from tests.support.service import damage_held_copy, reap, running_service, trainer
 from tests.support.service_jobs import expected_state

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon.client import status
+from checkpointd.daemon.client.client import status
 from checkpointd.errors import CheckpointExistsError, InvalidArgumentError, StagingError
 from checkpointd.write import staging as staging_module
 from checkpointd.write.capture import BufferPool

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon.client import status
+from checkpointd.daemon.client.client import status
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.support.launch import hosted_store

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import checkpointd
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.client import Connection, status
+from checkpointd.daemon.client.client import Connection, status
+from checkpointd.daemon.wire import protocol as p
 from tests.support.service import auto_socket_env, child_env, running_service
 from tests.support.service_jobs import expected_state
 

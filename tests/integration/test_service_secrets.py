@@ -69,7 +69,7 @@ def test_a_status_from_an_older_service_is_shown_without_credentials(
 ) -> None:
     """A service started before this version (auto-started ones live on) sends each
     root with its storage options' JSON: ``checkpointd status`` still shows no value."""
-    from checkpointd.daemon.memtier import shown_key
+    from checkpointd.daemon.server.memtier import shown_key
 
     old = f's3://b/run {{"key":"{KEY}","secret":"{SECRET} {{x}}"}}'
     assert shown_key(old) == "s3://b/run (storage options: key, secret)"

@@ -25,7 +25,7 @@ import torch
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.daemon.client import status
+from checkpointd.daemon.client.client import status
 from checkpointd.read import catalog
 from checkpointd.storage import open_store
 from tests.integration.test_sharded import BLOCK, check_restored, job, same

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from checkpointd.daemon.client import status
+from checkpointd.daemon.client.client import status
 from checkpointd.format.manifest import Manifest, decode_manifest, encode_manifest
 from tests.integration.test_sharded import check_restored, job, same
 from tests.support.launch import hosted_store

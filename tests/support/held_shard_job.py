@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 import checkpointd
 from checkpointd import tunables
-from checkpointd.daemon import recall
-from checkpointd.daemon.memstore import MemoryStore, ReadOnlyStore
-from checkpointd.daemon.protocol import HeldFile
+from checkpointd.daemon.client import recall
+from checkpointd.daemon.client.memstore import MemoryStore, ReadOnlyStore
+from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.read import boxes, catalog
 from checkpointd.state.shards import local_box

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.daemon.client import Connection, status
-from checkpointd.daemon.protocol import HeldFile
+from checkpointd.daemon.client.client import Connection, status
+from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.errors import ServiceError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,8 +324,8 @@ def wait_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 1
 def held_files(socket: str, root: str, step: int) -> list[HeldFile]:
     """The files ``socket``'s service holds of ``step`` of ``root``, asked as a
     restoring client would (the lent segment's fd closed at once)."""
-    from checkpointd.daemon import protocol as p
-    from checkpointd.daemon.client import connect
+    from checkpointd.daemon.client.client import connect
+    from checkpointd.daemon.wire import protocol as p
 
     borrower = connect(socket, start=False)
     try:

@@ -52,7 +52,7 @@ def trainer(socket: str, root: str, steps: int, mode: str | None) -> None:
             writer.save(step, {"model": expected_state(step)})
             print(f"returned {step}", flush=True)
         writer.wait()
-    from checkpointd.daemon.client import status
+    from checkpointd.daemon.client.client import status
 
     print(f"service pid {status(socket).pid}", flush=True)
 

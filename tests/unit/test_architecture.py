@@ -85,8 +85,11 @@ def declared_layers() -> list[str]:
     return [line.split()[0] for line in reversed(block.strip("\n").splitlines())]
 
 
-def package_imports(src: Path = SRC) -> dict[str, dict[str, str]]:
-    """Subpackage -> the other subpackages it imports, each with one importing module.
+def package_imports(
+    src: Path = SRC, prefix: tuple[str, ...] = ("checkpointd",)
+) -> dict[str, dict[str, str]]:
+    """Subpackage of ``src`` (the package ``prefix``) -> the other subpackages it imports,
+    each with one importing module.
 
     Every import counts, at module level or inside a function (it runs when called); an
     import under ``if TYPE_CHECKING:`` never runs and does not count. Relative imports are
@@ -113,18 +116,18 @@ def package_imports(src: Path = SRC) -> dict[str, dict[str, str]]:
                 targets = [alias.name.split(".") for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    package = ["checkpointd", *parts[:-1]]
+                    package = [*prefix, *parts[:-1]]
                     base = package[: len(package) - (node.level - 1)]
                 else:
                     base = []
                 module = [*base, *(node.module.split(".") if node.module else [])]
                 targets = [module] if len(module) > 1 else []
-                if module == ["checkpointd"]:
-                    targets = [["checkpointd", alias.name] for alias in node.names]
+                if module == list(prefix):
+                    targets = [[*prefix, alias.name] for alias in node.names]
             for target in targets:
-                if target[0] != "checkpointd" or len(target) < 2:
+                if tuple(target[: len(prefix)]) != prefix or len(target) <= len(prefix):
                     continue
-                other = target[1]
+                other = target[len(prefix)]
                 if other in packages and other != own:
                     found.setdefault(own, {}).setdefault(other, path.relative_to(src).as_posix())
     return found
@@ -149,3 +152,18 @@ def test_subpackages_import_only_lower_layers() -> None:
         if rank[other] >= rank[package]
     )
     assert upward == [], "imports against the declared layers:\n" + "\n".join(upward)
+
+
+def test_the_daemon_sides_meet_only_in_wire() -> None:
+    # Issue 32 item 4: the trainer's client and the service's server each have a home and
+    # speak through daemon/wire; neither side imports the other, and wire imports neither.
+    allowed = {"wire": set[str](), "client": {"wire"}, "server": {"wire"}}
+    found = package_imports(SRC / "daemon", ("checkpointd", "daemon"))
+    assert sorted(found) != [], "no imports found between the daemon's sides"
+    crossing = sorted(
+        f"{module} imports daemon.{other}"
+        for side, others in found.items()
+        for other, module in others.items()
+        if other not in allowed[side]
+    )
+    assert crossing == [], "the daemon's sides reach each other:\n" + "\n".join(crossing)

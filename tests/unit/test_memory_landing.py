@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import checkpointd
-from checkpointd.daemon.memstore import MemoryStore
-from checkpointd.daemon.protocol import HeldFile
+from checkpointd.daemon.client.memstore import MemoryStore
+from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.errors import CorruptCheckpointError
 from checkpointd.format.header import header_length, parse_safetensors_header
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname

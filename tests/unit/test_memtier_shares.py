@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.daemon.memstore import MemoryStore
-from checkpointd.daemon.memtier import HeldCheckpoint, MemoryTier
-from checkpointd.daemon.overlay import MIXED_SOURCE, OverlayStore
-from checkpointd.daemon.protocol import HeldFile
-from checkpointd.daemon.recall import servable
-from checkpointd.daemon.shm import MappedSegment
+from checkpointd.daemon.client.memstore import MemoryStore
+from checkpointd.daemon.client.overlay import MIXED_SOURCE, OverlayStore
+from checkpointd.daemon.client.recall import servable
+from checkpointd.daemon.server.memtier import HeldCheckpoint, MemoryTier
+from checkpointd.daemon.wire.protocol import HeldFile
+from checkpointd.daemon.wire.shm import MappedSegment
 from checkpointd.errors import StorageError
 from checkpointd.format.checksum import crc32c
 from checkpointd.format.manifest import FileEntry, Manifest

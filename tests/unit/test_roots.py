@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointd.daemon.memtier import RootKey, root_key
-from checkpointd.daemon.protocol import ProtocolError
+from checkpointd.daemon.server.memtier import RootKey, root_key
+from checkpointd.daemon.wire.protocol import ProtocolError
 from checkpointd.storage import fixed_root, resolve_root
 
 

@@ -1,5 +1,5 @@
 """A snapshot with DTensor shards, described by the trainer and rebuilt by the service
-(daemon/snapshot.py) with the layout its writer sent in ``OpenWriter``: the rebuilt
+(daemon/wire/snapshot.py) with the layout its writer sent in ``OpenWriter``: the rebuilt
 snapshot plans the very files the original does, and a description whose shards do
 not fit the segment or the tensor is a ProtocolError."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from checkpointd import tunables
-from checkpointd.daemon import protocol as p
-from checkpointd.daemon.snapshot import describe, rebuild
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.snapshot import describe, rebuild
 from checkpointd.errors import InvalidArgumentError
 from checkpointd.format.codec import TensorRef
 from checkpointd.format.header import TensorEntry

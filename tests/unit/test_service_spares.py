@@ -8,7 +8,7 @@ import sys
 import anyio
 import pytest
 
-from checkpointd.daemon.memory import SharedMemory
+from checkpointd.daemon.server.memory import SharedMemory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux")
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from checkpointd import tunables
-from checkpointd.daemon import shm
-from checkpointd.daemon.shm import MappedSegment, huge_pages_mode, map_fd, readonly_fd
+from checkpointd.daemon.wire import shm
+from checkpointd.daemon.wire.shm import MappedSegment, huge_pages_mode, map_fd, readonly_fd
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux")
 

@@ -43,16 +43,16 @@ FACTS: dict[tuple[str, str], str] = {
     ("state/storable.py", "_MSGPACK_INT_MAX"): "msgpack's int range",
     ("memory/hostmem.py", "MADV_POPULATE_WRITE"): "a Linux madvise constant",
     ("read/landing.py", "_ALIGN"): "a cache line: enough for any dtype's alignment",
-    ("daemon/priority.py", "_WHO_PROCESS"): "Linux ioprio ABI",
-    ("daemon/priority.py", "_CLASS_BEST_EFFORT"): "Linux ioprio ABI",
-    ("daemon/priority.py", "_CLASS_IDLE"): "Linux ioprio ABI",
-    ("daemon/priority.py", "_CLASS_SHIFT"): "Linux ioprio ABI",
+    ("daemon/server/priority.py", "_WHO_PROCESS"): "Linux ioprio ABI",
+    ("daemon/server/priority.py", "_CLASS_BEST_EFFORT"): "Linux ioprio ABI",
+    ("daemon/server/priority.py", "_CLASS_IDLE"): "Linux ioprio ABI",
+    ("daemon/server/priority.py", "_CLASS_SHIFT"): "Linux ioprio ABI",
 }
 """Module-level numbers outside tunables.py that are facts, not choices."""
 
 POWERS_ALLOWED: dict[str, str] = {
     "storage/s3upload.py": "part sizes rounded up to whole MiB (S3 accepts any)",
-    "daemon/admission.py": "the descriptor count assumed where the limit is unlimited",
+    "daemon/server/admission.py": "the descriptor count assumed where the limit is unlimited",
     "format/checksum.py": "CRC32C arithmetic over GF(2)",
 }
 """Modules whose powers of two from 2**10 to 2**30 are facts, not sizes someone chose."""
@@ -220,7 +220,7 @@ def test_no_tunable_looking_number_outside_tunables() -> None:
 def test_a_frame_limit_set_at_run_time_applies_to_the_next_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from checkpointd.daemon import protocol
+    from checkpointd.daemon.wire import protocol
 
     message = protocol.Lookup(id=1, root="/r" + "x" * 200, storage_options=None, step=1)
     assert protocol.encode(message)

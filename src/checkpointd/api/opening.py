@@ -75,7 +75,7 @@ def open_backend(
                 chunk_bytes=options.chunk_bytes,
                 pool=options.buffer_pool,
             )
-        from checkpointd.daemon.remote import open_remote
+        from checkpointd.daemon.client.remote import open_remote
 
         return open_remote(target, options, ranks)
     except BaseException:

@@ -1,7 +1,7 @@
 """``checkpointd.restore``: from storage, or first from the service's memory tier.
 
 Storage is ``read/restore.py``; with ``service=``, a held copy is read through
-``daemon/recall.py`` first. This module sits above ``read/`` and ``daemon/`` because
+``daemon/client/recall.py`` first. This module sits above ``read/`` and ``daemon/`` because
 it joins them: the reader never imports the service. Blocking; call from the training
 thread.
 """
@@ -89,7 +89,7 @@ def restore(
     root = resolve_root(str(root))  # the service's working folder is not this process's
     from_memory: CheckpointError | None = None
     if service is not None:
-        from checkpointd.daemon.recall import held_copy
+        from checkpointd.daemon.client.recall import held_copy
 
         with held_copy(
             root, step, storage_options=storage_options, service=service, rank=place[0]

@@ -24,9 +24,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 0 once it has stopped.
     """
-    from checkpointd.daemon.paths import default_socket, parse_size
-    from checkpointd.daemon.priority import lower_priority
-    from checkpointd.daemon.server import serve
+    from checkpointd.daemon.server.priority import lower_priority
+    from checkpointd.daemon.server.server import serve
+    from checkpointd.daemon.wire.paths import default_socket, parse_size
 
     limit = None if args.memory_limit is None else parse_size(args.memory_limit)
     lower_priority(args.niceness, args.io_priority)
@@ -50,8 +50,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """
     import msgspec
 
-    from checkpointd.daemon.client import status
-    from checkpointd.daemon.memtier import shown_key
+    from checkpointd.daemon.client.client import status
+    from checkpointd.daemon.server.memtier import shown_key
 
     reply = status(args.socket or "auto")
     kept = {shown_key(root): steps for root, steps in reply.kept.items()}  # no credentials

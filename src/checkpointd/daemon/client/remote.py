@@ -30,16 +30,15 @@ import anyio.to_thread
 import msgspec
 from anyio.abc import TaskStatus
 
+from checkpointd.daemon.client.client import Connection, connect, error_from
+from checkpointd.daemon.client.segments import Mappings, SegmentBuffer
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.snapshot import describe
 from checkpointd.errors import InvalidArgumentError, ServiceError, StagingError
 from checkpointd.write.capture import StagingBuffer
 from checkpointd.write.handle import Failures, SaveHandle
 from checkpointd.write.options import SaveTarget, WriterOptions
 from checkpointd.write.plan import Snapshot
-
-from . import protocol as p
-from .client import Connection, connect, error_from
-from .segments import Mappings, SegmentBuffer
-from .snapshot import describe
 
 if TYPE_CHECKING:
     from checkpointd.ranks.group import Group
@@ -378,7 +377,7 @@ class ServiceBackend:
         group, (root, options) = self.group, self._root
 
         def follow() -> None:
-            from .follow import outcome_after_loss
+            from checkpointd.daemon.client.follow import outcome_after_loss
 
             info, failure = outcome_after_loss(group, root, options, handle.step, attempt, error)
             self._resolve(handle, info, failure)

@@ -27,18 +27,22 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
 from checkpointd import errors, tunables
+from checkpointd.daemon.server.admission import Admission, accept_loop, descriptor_limit
+from checkpointd.daemon.server.conn import Conn
+from checkpointd.daemon.server.memory import SharedMemory
+from checkpointd.daemon.server.memtier import MemoryTier, root_key
+from checkpointd.daemon.server.saves import Saves
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.bounds import FrameBudget
+from checkpointd.daemon.wire.frames import read_async
+from checkpointd.daemon.wire.paths import (
+    lock_or_fail,
+    peer_credentials,
+    prepare_folder,
+    remove_stale,
+)
+from checkpointd.daemon.wire.shm import huge_pages_mode, readonly_fd
 from checkpointd.errors import CheckpointError
-
-from . import protocol as p
-from .admission import Admission, accept_loop, descriptor_limit
-from .bounds import FrameBudget
-from .conn import Conn
-from .frames import read_async
-from .memory import SharedMemory
-from .memtier import MemoryTier, root_key
-from .paths import lock_or_fail, peer_credentials, prepare_folder, remove_stale
-from .saves import Saves
-from .shm import huge_pages_mode, readonly_fd
 
 __all__ = ["Server", "serve"]
 

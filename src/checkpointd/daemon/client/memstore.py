@@ -13,10 +13,9 @@ import mmap
 from collections.abc import Iterator, Mapping
 from typing import NoReturn
 
+from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.errors import StorageError, StorageNotFoundError
 from checkpointd.storage import FileSink, Store
-
-from .protocol import HeldFile
 
 __all__ = ["MemoryStore", "ReadOnlyStore"]
 

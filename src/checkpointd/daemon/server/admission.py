@@ -28,10 +28,9 @@ import anyio
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
 from checkpointd import tunables
+from checkpointd.daemon.server.conn import Conn
+from checkpointd.daemon.wire import protocol as p
 from checkpointd.errors import ServiceError
-
-from . import protocol as p
-from .conn import Conn
 
 __all__ = ["Admission", "accept_loop", "descriptor_limit"]
 

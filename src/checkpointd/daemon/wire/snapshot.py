@@ -17,6 +17,13 @@ import msgspec
 import torch
 
 from checkpointd import tunables
+from checkpointd.daemon.wire.protocol import (
+    ComponentDesc,
+    EntryDesc,
+    ProtocolError,
+    ShardDesc,
+    SnapshotDesc,
+)
 from checkpointd.errors import CheckpointError, UnsupportedValueError
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import decode_dtype, encode_dtype
@@ -24,8 +31,6 @@ from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import SaveLayout, check_component_name
 from checkpointd.write.capture import CapturedComponent, CapturedShard, StagingBuffer
 from checkpointd.write.plan import Snapshot
-
-from .protocol import ComponentDesc, EntryDesc, ProtocolError, ShardDesc, SnapshotDesc
 
 __all__ = ["describe", "rebuild"]
 

@@ -25,17 +25,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointd.daemon.client.client import Connection, connect
+from checkpointd.daemon.client.memstore import MemoryStore
+from checkpointd.daemon.client.overlay import OverlayStore
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.shm import map_fd
 from checkpointd.errors import CheckpointError, ServiceError, StorageError
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import Manifest, decode_manifest
 from checkpointd.storage import Store, open_store, resolve_root
 from checkpointd.write.loop import newest_committed
-
-from . import protocol as p
-from .client import Connection, connect
-from .memstore import MemoryStore
-from .overlay import OverlayStore
-from .shm import map_fd
 
 __all__ = ["Recalled", "held_copy", "servable"]
 

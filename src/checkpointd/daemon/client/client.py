@@ -26,11 +26,10 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from checkpointd import errors, tunables
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.frames import FrameReader, send_frame
+from checkpointd.daemon.wire.paths import check_folder, default_socket, peer_uid, prepare_folder
 from checkpointd.errors import CheckpointError, ServiceError
-
-from . import protocol as p
-from .frames import FrameReader, send_frame
-from .paths import check_folder, default_socket, peer_uid, prepare_folder
 
 __all__ = ["Connection", "connect", "error_from", "socket_path", "status"]
 

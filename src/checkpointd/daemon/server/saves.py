@@ -24,6 +24,13 @@ import torch
 from anyio.abc import TaskGroup
 
 from checkpointd import errors, tunables
+from checkpointd.daemon.server.conn import Conn
+from checkpointd.daemon.server.held import Committed, held_checkpoint
+from checkpointd.daemon.server.memory import SharedMemory
+from checkpointd.daemon.server.memtier import MemoryTier, RootKey, root_key
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.shm import MappedSegment
+from checkpointd.daemon.wire.snapshot import rebuild
 from checkpointd.format.layout import SaveLayout
 from checkpointd.format.manifest import FileEntry
 from checkpointd.maintain.retention import RetentionPolicy
@@ -32,14 +39,6 @@ from checkpointd.storage import open_store
 from checkpointd.write.handle import SaveHandle, first_leaf
 from checkpointd.write.loop import InProcessBackend, newest_committed
 from checkpointd.write.plan import SavePlan, Snapshot
-
-from . import protocol as p
-from .conn import Conn
-from .held import Committed, held_checkpoint
-from .memory import SharedMemory
-from .memtier import MemoryTier, RootKey, root_key
-from .shm import MappedSegment
-from .snapshot import rebuild
 
 __all__ = ["HostedBackend", "Saves"]
 

@@ -19,8 +19,7 @@ import anyio
 import msgspec
 
 from checkpointd import tunables
-
-from . import protocol as p
+from checkpointd.daemon.wire import protocol as p
 
 __all__ = ["FrameBudget", "check_structure", "request_limit"]
 

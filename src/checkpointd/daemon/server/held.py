@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from checkpointd.daemon.server.memtier import HeldCheckpoint
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.shm import MappedSegment
 from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import (
     MANIFEST_NAME,
@@ -35,10 +38,6 @@ from checkpointd.write.items import RankFile, WriteFile
 from checkpointd.write.loop import InProcessBackend
 from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 from checkpointd.write.ranked_merge import shard_index, written_shards
-
-from . import protocol as p
-from .memtier import HeldCheckpoint
-from .shm import MappedSegment
 
 __all__ = ["Committed", "held_checkpoint"]
 

@@ -25,11 +25,10 @@ from typing import Any
 
 import msgspec
 
+from checkpointd.daemon.wire.protocol import HeldFile, ProtocolError
+from checkpointd.daemon.wire.shm import MappedSegment
 from checkpointd.storage import fixed_root, resolve_root
 from checkpointd.storage.base import shown
-
-from .protocol import HeldFile, ProtocolError
-from .shm import MappedSegment
 
 __all__ = [
     "HeldCheckpoint",

@@ -16,9 +16,8 @@ import anyio.to_thread
 from anyio.abc import ByteReceiveStream
 
 from checkpointd import tunables
-
-from .bounds import SUBMIT_HEAD, FrameBudget, check_structure, request_limit
-from .protocol import PREFIX, Message, ProtocolError, decode, encode
+from checkpointd.daemon.wire.bounds import SUBMIT_HEAD, FrameBudget, check_structure, request_limit
+from checkpointd.daemon.wire.protocol import PREFIX, Message, ProtocolError, decode, encode
 
 __all__ = ["FrameReader", "body_length", "os_close", "read_async", "send_frame"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import SocketStream, TaskGroup
 
-from . import protocol as p
-from .shm import MappedSegment
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.shm import MappedSegment
 
 __all__ = ["Conn"]
 

@@ -12,11 +12,10 @@ read. Any thread. No torch here.
 
 from __future__ import annotations
 
+from checkpointd.daemon.client.memstore import MemoryStore, ReadOnlyStore
 from checkpointd.format.layout import MANIFEST_NAME
 from checkpointd.storage import Store
 from checkpointd.storage.base import PinnedFile
-
-from .memstore import MemoryStore, ReadOnlyStore
 
 __all__ = ["MIXED_SOURCE", "OverlayStore"]
 

@@ -20,10 +20,9 @@ from collections.abc import Callable
 import anyio
 
 from checkpointd import tunables
+from checkpointd.daemon.wire.protocol import ProtocolError
+from checkpointd.daemon.wire.shm import MappedSegment, paged, reusable
 from checkpointd.errors import ServiceMemoryError
-
-from .protocol import ProtocolError
-from .shm import MappedSegment, paged, reusable
 
 __all__ = ["SharedMemory"]
 

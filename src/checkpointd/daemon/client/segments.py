@@ -15,12 +15,11 @@ from typing import Any
 import torch
 
 from checkpointd import tunables
+from checkpointd.daemon.client.client import Connection
+from checkpointd.daemon.wire import protocol as p
+from checkpointd.daemon.wire.shm import map_fd, reusable
 from checkpointd.errors import CheckpointError, ServiceError
 from checkpointd.write.capture import StagingBuffer
-
-from . import protocol as p
-from .client import Connection
-from .shm import map_fd, reusable
 
 __all__ = ["Mappings", "SegmentBuffer"]
 

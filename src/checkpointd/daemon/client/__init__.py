@@ -1,0 +1,4 @@
+"""The trainer's side: connecting to (or starting) the service, saving and restoring through it.
+
+Imports ``daemon.wire``, never ``daemon.server``.
+"""
