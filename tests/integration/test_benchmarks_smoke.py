@@ -162,7 +162,7 @@ def test_torchtitan_benchmark_smoke() -> None:
 @pytest.mark.timeout(120)
 def test_scale_model_quick(tmp_path: Path) -> None:
     """The scale model's quick mode runs the real commit on a real TCPStore; what it
-    measures has the shapes the README's table relies on."""
+    measures has the shapes the table of docs/performance.md relies on."""
     from benchmarks import bench_scale
 
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"

@@ -206,7 +206,7 @@ def _readme_job(action: str, root: Path, out: Path, world: int, strict: str = "s
 
 
 def test_the_readme_fsdp2_example_resumes_every_component_per_rank(tmp_path: Path) -> None:
-    """The README's example: one state dict (FSDP2 model, optimizer, RNGState,
+    """The FSDP2 example (docs/ranks.md, the README): one state dict (FSDP2 model, optimizer, RNGState,
     PerRank(DistributedSampler)) saved on 2 ranks and restored as it is, strictly, on 2;
     on 3, strict=False restores model and optimizer and says why rng and loader were not."""
     root = tmp_path / "root"

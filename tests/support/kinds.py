@@ -2,12 +2,13 @@
 
 The kinds (registered in pyproject.toml): ``ranks`` (a multi-rank subprocess job),
 ``service`` (a service process), ``cloud`` (an S3, GCS or Azure emulator), ``frameworks``
-(Lightning, Accelerate, Transformers or torchtitan), ``bench`` (the benchmark smokes).
+(Lightning, Accelerate, Transformers or torchtitan), ``bench`` (the benchmark smokes),
+``docs`` (the documentation site built and read in a browser: every test under tests/docs).
 A test gets a kind when its function, one of its fixtures, or any function of tests/ that
 those reach (by name, through module attributes too) refers to what starts that cost, so
 new tests are marked without a list to keep. The fast tier is every test with none of them:
 
-    pytest -m "not (slow or ranks or service or cloud or frameworks or bench or containers)"
+    pytest -m "not (slow or ranks or service or cloud or frameworks or bench or containers or docs)"
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-KINDS = ("ranks", "service", "cloud", "frameworks", "bench")
+KINDS = ("ranks", "service", "cloud", "frameworks", "bench", "docs")
 
 # What starts the cost: functions of tests/support (module.name) and session fixtures.
 _L, _S = "tests.support.launch.", "tests.support.service."
@@ -58,6 +59,7 @@ _FRAMEWORK_TEXT = re.compile(
     r"|^tests\.support\.(lightning|lightning_kill|accelerate|transformers|torchtitan)_job$"
 )
 _BENCH_FILES = frozenset({"test_benchmarks_smoke.py"})
+_DOCS_FOLDER = "docs"  # tests/docs: the site, built with mkdocs and read in Chromium
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -163,6 +165,8 @@ def kinds_of(item: pytest.Item, scan: _Scan) -> set[str]:
         kinds.add("frameworks")
     if item.path.name in _BENCH_FILES:
         kinds.add("bench")
+    if item.path.parent.name == _DOCS_FOLDER and item.path.parent.parent.name == "tests":
+        kinds.add("docs")
     return kinds
 
 

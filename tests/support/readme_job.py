@@ -1,4 +1,4 @@
-"""One rank of the README's FSDP2 example ("Many ranks"), run as a subprocess.
+"""One rank of the FSDP2 example of docs/ranks.md ("Many ranks"), run as a subprocess.
 
     python -m tests.support.readme_job ACTION ROOT OUT STRICT RANK WORLD PORT
 

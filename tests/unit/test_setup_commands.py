@@ -31,7 +31,7 @@ def test_command_one_installs_what_the_tests_import() -> None:
     script = (REPO / install_script).read_text()
     for needed in (
         "torch==2.13.0",
-        "'.[test]'",
+        "'.[test,docs]'",
         "torchtitan==",
         "tyro==",
         "torchdata==",
@@ -39,4 +39,4 @@ def test_command_one_installs_what_the_tests_import() -> None:
         "azurite@",
     ):
         assert needed in script, needed
-    assert script.index("torch==2.13.0") < script.index("'.[test]'"), "torch first, pinned"
+    assert script.index("torch==2.13.0") < script.index("'.[test,docs]'"), "torch first, pinned"
