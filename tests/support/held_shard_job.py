@@ -36,6 +36,7 @@ from checkpointd import tunables
 from checkpointd.daemon.client import recall
 from checkpointd.daemon.client.memstore import MemoryStore, ReadOnlyStore
 from checkpointd.daemon.wire.protocol import HeldFile
+from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.read import boxes, catalog
 from checkpointd.state.shards import local_box
@@ -105,9 +106,10 @@ def _held(root: str, model: torch.nn.Module, flip: bool, flips: list[int]) -> An
     at = 0
     for name, size in zip(names, sizes, strict=True):
         with open(os.path.join(folder, name), "rb") as f:
-            mapped[at : at + size] = f.read()
+            data = f.read()
+        mapped[at : at + size] = data
         starts[name] = at
-        entries.append(HeldFile(name, b"", at, size))
+        entries.append(HeldFile(name, b"", at, size, crc32c(data)))
         at += size
     with open(os.path.join(folder, MANIFEST_NAME), "rb") as f:
         manifest = f.read()

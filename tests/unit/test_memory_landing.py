@@ -15,6 +15,7 @@ import checkpointd
 from checkpointd.daemon.client.memstore import MemoryStore
 from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.errors import CorruptCheckpointError
+from checkpointd.format.checksum import crc32c
 from checkpointd.format.header import header_length, parse_safetensors_header
 from checkpointd.format.layout import MANIFEST_NAME, step_dirname
 from checkpointd.read.restore import restore_from
@@ -57,7 +58,7 @@ def held(saved: Path) -> tuple[MemoryStore, mmap.mmap, dict[str, int]]:
         data = path.read_bytes()
         mapped[at : at + len(data)] = data
         starts[path.name] = at
-        entries.append(HeldFile(path.name, b"", at, len(data)))
+        entries.append(HeldFile(path.name, b"", at, len(data), crc32c(data)))
         at += len(data)
     manifest = (folder / MANIFEST_NAME).read_bytes()
     store = MemoryStore.over(str(saved), step_dirname(1), manifest, entries, mapped)
@@ -153,7 +154,7 @@ def test_a_header_written_into_between_its_read_and_its_check_is_refused(
             tensor_file, base = path.name, at
             length = header_length(data[:8], len(data), where="test")
             original = data[8 : 8 + length]
-        entries.append(HeldFile(path.name, b"", at, len(data)))
+        entries.append(HeldFile(path.name, b"", at, len(data), crc32c(data)))
         at += len(data)
     assert original.count(b'"w1"') == original.count(b'"w2"') == 1
     swapped = original.replace(b'"w1"', b'"w?"').replace(b'"w2"', b'"w1"').replace(b'"w?"', b'"w2"')

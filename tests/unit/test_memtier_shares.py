@@ -49,7 +49,6 @@ def test_a_held_file_is_servable_only_with_storages_path_size_and_crc32c() -> No
         HeldFile("b.bin", b"head", 0, 12, crc32c(data)),
         HeldFile("c.bin", b"head", 0, 12, crc32c(data)),
         HeldFile("d.bin", b"head", 0, 12, crc32c(data)),  # not listed at all
-        HeldFile("a.bin", b"head", 0, 12, None),  # no CRC32C: a single process's copy
     ]
     assert servable(manifest, held) == [good]
 
@@ -63,7 +62,7 @@ def segments() -> Iterator[list[MappedSegment]]:
 
 
 def _held(segment: MappedSegment, step: int, rank: int | None) -> HeldCheckpoint:
-    return HeldCheckpoint(step, segment, b"" if rank is not None else b"{}", [], rank=rank)
+    return HeldCheckpoint(step, segment, [], rank=rank)
 
 
 def test_local_ranks_shares_of_one_step_count_once_and_are_found_by_rank(

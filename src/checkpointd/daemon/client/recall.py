@@ -2,17 +2,14 @@
 
 The step to restore is decided by storage, as always: the newest committed step
 (its manifest read from storage), or the one asked for. The service is asked
-whether it holds that step, and what it holds is served only where it agrees with
-that manifest, never otherwise:
+whether it holds that step (a single process's save, or this rank's share of a
+many-rank one: server/held.py), and what it holds is served file by file, only
+where storage's manifest lists the held file's path, size and CRC32C
+(``servable``): the restore reads those from memory and every other file from
+storage (``OverlayStore``), so a step replaced or re-committed by someone else is
+served from memory only where its bytes are the held ones.
 
-- a single-process save's copy only if the manifest it committed is byte for byte
-  the one on storage now (so a step replaced or re-committed by someone else is
-  never served from memory), read through ``MemoryStore``;
-- a rank's share of a many-rank save (held.py) file by file: a held file only if
-  storage's manifest lists its path, size and CRC32C (``servable``); the restore
-  reads those from memory and every other file from storage (``OverlayStore``).
-
-Either way restore's own reader checks sizes and every byte's CRC32C against
+Restore's own reader checks sizes and every byte's CRC32C against
 storage's manifest before a byte is used. Anything else (no service, not held, a
 mismatch, a damaged copy) falls back to storage. This module only finds the held
 copy; read/restore.py restores from it (so it does not import restore back).
@@ -51,14 +48,10 @@ class Recalled:
 
 
 def servable(manifest: Manifest, files: list[p.HeldFile]) -> list[p.HeldFile]:
-    """The held files of a many-rank save's share that storage's ``manifest`` lists with
-    the same path, size and CRC32C (the others are read from storage)."""
+    """The held files that storage's ``manifest`` lists with the same path, size and
+    CRC32C (the others are read from storage)."""
     listed = {(f.path, f.size, f.crc32c) for f in manifest.files}
-    return [
-        f
-        for f in files
-        if f.crc32c is not None and (f.path, len(f.head) + f.length, f.crc32c) in listed
-    ]
+    return [f for f in files if (f.path, len(f.head) + f.length, f.crc32c) in listed]
 
 
 @contextlib.contextmanager
@@ -129,24 +122,17 @@ def _lent(conn: Connection, storage: Store, ask: _Ask) -> Iterator[Recalled | No
     mapped = map_fd(fd, reply.size, writable=False, populate=False)
     folder = step_dirname(ask.step)
     try:
-        if reply.manifest:  # a single-process save's copy: storage's must be that manifest
-            if reply.manifest != ask.manifest:
-                yield None  # storage's step is not the one the service committed
-            else:
-                whole = MemoryStore.over(storage.url, folder, ask.manifest, reply.files, mapped)
-                yield Recalled(whole, ask.step, lambda: "memory")
+        try:
+            listed = decode_manifest(ask.manifest, where=f"{storage.url}/{folder}")
+        except CheckpointError:
+            listed = None  # restore from storage reports it
+        files = [] if listed is None else servable(listed, reply.files)
+        if not files:
+            yield None
         else:
-            try:
-                listed = decode_manifest(ask.manifest, where=f"{storage.url}/{folder}")
-            except CheckpointError:
-                listed = None  # restore from storage reports it
-            files = [] if listed is None else servable(listed, reply.files)
-            if not files:
-                yield None
-            else:
-                share = MemoryStore.over(storage.url, folder, ask.manifest, files, mapped)
-                overlay = OverlayStore(storage, share)
-                yield Recalled(overlay, ask.step, lambda: overlay.source)
+            held = MemoryStore.over(storage.url, folder, ask.manifest, files, mapped)
+            overlay = OverlayStore(storage, held)
+            yield Recalled(overlay, ask.step, lambda: overlay.source)
     finally:
         with contextlib.suppress(BufferError):
             mapped.close()

@@ -5,15 +5,13 @@ The service's side; the read-only Store a restoring client reads them through is
 
 The service keeps, per root, the newest ``keep`` steps it committed: the
 segment the trainer captured into (no copy) plus each file's small head (tree
-bytes, safetensors header) and the manifest bytes it published (held.py). A
-many-rank save's ranks on one node each leave a copy of their share (``rank``),
-all counted as one step. A client gets the segment read-only and wraps it in
-``memstore.MemoryStore`` (alone, or under ``overlay.OverlayStore`` for a many-rank save's
-share), so restore's one reader of the format (reader.StepReader) reads it with
-every check it makes on storage: sizes, CRC32Cs against the manifest, headers.
-The client serves it only if the manifest on storage is byte for byte the one the
-service committed, or, for a share, file by file where storage's manifest lists
-the same path, size and CRC32C (recall.py). No torch here.
+bytes, safetensors header) and CRC32C (held.py). A many-rank save's ranks on one
+node each leave a copy of their share (``rank``), all counted as one step. A client
+gets the segment read-only and reads it through ``client.memstore.MemoryStore`` under
+``client.overlay.OverlayStore``, so restore's one reader of the format
+(reader.StepReader) reads it with every check it makes on storage: sizes, CRC32Cs
+against the manifest, headers. The client serves a file only where storage's
+manifest lists the same path, size and CRC32C (client/recall.py). No torch here.
 """
 
 from __future__ import annotations
@@ -102,12 +100,11 @@ def root_key(root: str, storage_options: Mapping[str, Any] | None) -> RootKey:
 
 @dataclass
 class HeldCheckpoint:
-    """One committed step held in memory: its segment, files and manifest bytes (empty
-    for a rank's share of a many-rank save, whose files carry their CRC32Cs)."""
+    """One committed step held in memory: its segment, and its files, each with its
+    CRC32C (held.py)."""
 
     step: int
     segment: MappedSegment
-    manifest: bytes
     files: list[HeldFile]
     rank: int | None = None
     """The saving rank whose share this is; None for a single-process save."""

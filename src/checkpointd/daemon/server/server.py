@@ -268,7 +268,7 @@ class Server:
         try:
             self.memory.lend(held.segment)
             conn.borrowed.append(held.segment)
-            reply = p.Held(message.id, held.step, held.manifest, held.files, held.segment.size)
+            reply = p.Held(message.id, held.step, held.files, held.segment.size)
             await conn.send(reply, [fd])
         finally:
             os.close(fd)

@@ -215,26 +215,22 @@ class Accepted(_Msg):
 
 class HeldFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A file of a held checkpoint: its ``head`` bytes, then ``length`` bytes of the
-    segment from ``offset``. ``crc32c``: of those bytes, for a file of a many-rank save
-    (served only where storage's manifest lists this path, size and CRC32C); None where
-    the whole manifest vouches for the file (``Held.manifest``)."""
+    segment from ``offset``; ``crc32c`` of those bytes, as committed (a client serves the
+    file only where storage's manifest lists this path, size and CRC32C)."""
 
     path: str
     head: bytes
-    offset: int = 0
-    length: int = 0
-    crc32c: int | None = None
+    offset: int
+    length: int
+    crc32c: int
 
 
 class Held(_Msg):
-    """The held checkpoint (its segment's read-only fd beside the frame) and the
-    manifest bytes it was committed with: those of a single-process save, which storage's
-    must equal; empty for one rank's share of a many-rank save (the job's publisher wrote
-    the manifest), whose files each carry their CRC32C."""
+    """The held checkpoint (its segment's read-only fd beside the frame): its files,
+    each with the CRC32C it was committed with."""
 
     id: int
     step: int
-    manifest: bytes
     files: list[HeldFile]
     size: int
 
