@@ -117,7 +117,8 @@ def _commands() -> list[tuple[str, list[str]]]:
     found = []
     for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         block = None  # the info string of the fenced block the line is in
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = re.sub(r"\\\n\s*", " ", path.read_text())  # a shell line continued with \
+        for number, line in enumerate(text.splitlines(), 1):
             if line.startswith("```"):
                 block = line[3:].strip() if block is None else None
                 continue
