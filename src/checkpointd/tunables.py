@@ -366,6 +366,30 @@ CLIENT_SEGMENTS = 256
 its writers' saves in flight (a writer has at most 64 saves pending). Each segment counts
 at least a page against ``--memory-limit`` too."""
 
+# --- peer replicas (daemon/server/peerlink.py) ----------------------------------
+PEER_HANDSHAKE_SECONDS = 10.0
+"""How long a peer connection may take to prove its job's key (its ``Hello`` and
+``Proof``) before it is closed; also the connecting side's wait for the answer."""
+
+PEER_CONNECT_SECONDS = 5.0
+"""How long a service waits for a peer's TCP connect before it counts that peer as
+failed (a node gone, a port refused or filtered)."""
+
+PEER_HANDSHAKE_BYTES = 4096
+"""The largest frame a peer connection may send before it proved its key (a ``Hello``
+and a ``Proof`` are under 200 bytes)."""
+
+PEER_MIN_BYTES_PER_SECOND = 16 * 2**20
+"""The slowest a replica's bytes may arrive (plus ``FRAME_SECONDS``): a slower sender
+(or receiver) is cut off and the replica dropped, its memory freed."""
+
+PEER_CHUNK_BYTES = 4 * 2**20
+"""Bytes per send and receive call of a replica's bytes."""
+
+PEER_STORE_SECONDS = 120.0
+"""How long a rank waits in the job's store for the other ranks' peer addresses (a
+writer with ``replicas=``, a restore with ``service=`` in a many-rank job)."""
+
 # --- framework plugins -----------------------------------------------------------
 LIGHTNING_OPEN_WRITERS = 4
 """Writers the Lightning plugin keeps open at once (one per root it saved to, the most

@@ -89,7 +89,10 @@ def restore(
     root = resolve_root(str(root))  # the service's working folder is not this process's
     from_memory: CheckpointError | None = None
     if service is not None:
+        from checkpointd.daemon.client.peering import join_restore
         from checkpointd.daemon.client.recall import held_copy
+
+        join_restore(service, root, storage_options, process_group)  # many ranks: collective
 
         with held_copy(
             root, step, storage_options=storage_options, service=service, rank=place[0]

@@ -78,6 +78,7 @@ class WriterBase(RootReads):
         chunk_bytes: int | None = None,
         join_seconds: float | None = None,
         buffer_pool: BufferPool | None = None,
+        replicas: int = 0,
     ) -> None:
         """Open ``root`` with the writer's options, each checked here.
 
@@ -111,6 +112,8 @@ class WriterBase(RootReads):
             join_seconds: How long ranks wait for one that has not joined a save
                 (default ``tunables.JOIN_SECONDS``).
             buffer_pool: A BufferPool shared by writers one after another.
+            replicas: With ``service=`` and many ranks: other nodes' services that
+                also hold each rank's share of a save in memory (default 0).
 
         Raises:
             InvalidArgumentError: An option is out of range or of the wrong kind.
@@ -136,6 +139,7 @@ class WriterBase(RootReads):
             buffer_pool=buffer_pool,
             chunk_bytes=tunables.CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
             join_seconds=tunables.JOIN_SECONDS if join_seconds is None else join_seconds,
+            replicas=replicas,
         )
         self._target = SaveTarget.of(str(root), self.options)
         """What every save of this writer means: root, storage options, layout."""

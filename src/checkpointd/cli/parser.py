@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,13 @@ def _add_service(commands: Any) -> None:
         default=1,
         metavar="N",
         help="committed checkpoints kept in memory per root for restores (default 1; 0: off)",
+    )
+    serve.add_argument(
+        "--peer-address",
+        metavar="HOST",
+        default=os.environ.get("CHECKPOINTD_PEER_ADDRESS"),
+        help="the address other nodes' services reach this one at for replicas, on an "
+        "ephemeral port (default: $CHECKPOINTD_PEER_ADDRESS, else this host name's address)",
     )
     serve.add_argument(
         "--idle-exit",

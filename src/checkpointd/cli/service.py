@@ -35,6 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         memory_limit=limit,
         keep_in_memory=args.keep_in_memory,
         idle_exit=args.idle_exit,
+        peer_address=args.peer_address,
     )
     return 0
 
@@ -72,6 +73,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     for root, steps in kept.items():
         print(f"kept in memory: {root}: steps {', '.join(map(str, steps))}")
+    if reply.peer_address is not None:
+        print(
+            f"peers at {reply.peer_address}: {reply.replicas_held} replica(s) held, "
+            f"{reply.replicas_sent} sent ({size_text(reply.replica_bytes_sent)})"
+        )
+    if reply.replica_failures:
+        failures = sorted(reply.replica_failures.items())
+        print("replica failures: " + ", ".join(f"{n} {why}" for why, n in failures))
     if reply.refused:
         print("refused: " + ", ".join(f"{n} {kind}" for kind, n in sorted(reply.refused.items())))
     return 0

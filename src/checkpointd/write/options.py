@@ -55,6 +55,7 @@ class WriterKeywords(TypedDict, total=False):
     buffer_pool: BufferPool | None
     chunk_bytes: int
     join_seconds: float
+    replicas: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +143,9 @@ class WriterOptions:
     buffer_pool: BufferPool | None = None
     chunk_bytes: int = field(default_factory=lambda: tunables.CHUNK_BYTES)
     join_seconds: float = field(default_factory=lambda: tunables.JOIN_SECONDS)
+    replicas: int = 0
+    """With ``service=`` in a many-rank job: each rank's held share of a save is also
+    held by the services of this many other nodes of the job (daemon/server/replicas.py)."""
     policy: RetentionPolicy = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -184,6 +188,11 @@ class WriterOptions:
                     f'service must be None, "auto" or a socket path, not {self.service!r}'
                 )
             object.__setattr__(self, "service", os.fspath(self.service))
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidArgumentError(f"replicas must be an int of 0 or more, not {replicas!r}")
+        if replicas and self.service is None:
+            raise InvalidArgumentError("replicas= needs service= (peers hold the service's copies)")
         if self.buffer_pool is not None and not isinstance(self.buffer_pool, BufferPool):
             raise InvalidArgumentError(
                 f"buffer_pool must be a BufferPool or None, not {type(self.buffer_pool).__qualname__}"

@@ -40,7 +40,8 @@ __all__ = ["Recalled", "held_copy", "servable"]
 class Recalled:
     """A held copy to restore ``step`` from: read it through ``store`` (closing it
     closes no storage: held_copy does); ``source()`` once read says what was used
-    ("memory", "memory+storage" or "storage": ``RestoreInfo.source``)."""
+    ("memory", "memory+storage" or "storage", "peer" for "memory" where the copy came
+    from another node's service: ``RestoreInfo.source``)."""
 
     store: Store
     step: int
@@ -132,7 +133,8 @@ def _lent(conn: Connection, storage: Store, ask: _Ask) -> Iterator[Recalled | No
         else:
             held = MemoryStore.over(storage.url, folder, ask.manifest, files, mapped)
             overlay = OverlayStore(storage, held)
-            yield Recalled(overlay, ask.step, lambda: overlay.source)
+            kind = reply.source  # "memory", or "peer": a copy another node's service sent
+            yield Recalled(overlay, ask.step, lambda: overlay.source.replace("memory", kind))
     finally:
         with contextlib.suppress(BufferError):
             mapped.close()

@@ -31,6 +31,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from checkpointd.daemon.client.client import Connection, connect, error_from
+from checkpointd.daemon.client.peering import join_peers
 from checkpointd.daemon.client.segments import Mappings, SegmentBuffer
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.snapshot import describe
@@ -73,7 +74,10 @@ def open_remote(target: SaveTarget, options: WriterOptions, group: Group | None)
         ) from None
     conn = connect(service)
     try:
-        return ServiceBackend(conn, target, options, storage_options=plain, group=group)
+        backend = ServiceBackend(conn, target, options, storage_options=plain, group=group)
+        if options.replicas and group is not None:  # every rank: a collective on the store
+            join_peers(conn, group, target.root, plain, options.replicas)
+        return backend
     except BaseException:
         conn.close()
         raise

@@ -41,6 +41,8 @@ class SharedMemory:
         self._lent: dict[int, int] = {}  # segment ident -> borrowers
         self._ever_lent: set[int] = set()
         self._released: set[int] = set()  # released while lent: closed at the last give_back
+        self._pinned: dict[int, int] = {}  # segment ident -> readers (a replica being sent)
+        self._unpinned: set[int] = set()  # released while pinned: released at the last unpin
         self._ids = itertools.count(1)
         self._freed = anyio.Event()
         self._creating = 0  # bytes of segments being made on a worker thread
@@ -82,6 +84,9 @@ class SharedMemory:
         if self._lent.get(ident):
             self._released.add(ident)
             return
+        if self._pinned.get(ident):
+            self._unpinned.add(ident)
+            return
         del self.segments[ident]
         self._released.discard(ident)
         if ident in self._ever_lent:
@@ -111,6 +116,49 @@ class SharedMemory:
         self._lent.pop(segment.ident, None)
         if segment.ident in self._released:
             self.release(segment)
+
+    def pin(self, segment: MappedSegment) -> None:
+        """This service reads ``segment`` (sends it to a peer) until ``unpin``: a release
+        meanwhile waits for it. Unlike ``lend`` the segment may be reused after."""
+        self._pinned[segment.ident] = self._pinned.get(segment.ident, 0) + 1
+
+    def unpin(self, segment: MappedSegment) -> None:
+        """One ``pin`` of ``segment`` is over."""
+        left = self._pinned.get(segment.ident, 0) - 1
+        if left > 0:
+            self._pinned[segment.ident] = left
+            return
+        self._pinned.pop(segment.ident, None)
+        if segment.ident in self._unpinned:
+            self._unpinned.discard(segment.ident)
+            self.release(segment)
+
+    async def allocate_now(self, nbytes: int, evict: Callable[[], bool]) -> MappedSegment | None:
+        """A segment of ``nbytes`` if it fits now, after freeing spares and what ``evict``
+        frees (replicas), never waiting and never evicting anything else; None if it does
+        not fit (a replica that is dropped). ``check``'s errors first."""
+        self.check(nbytes)
+        fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
+        if fitting:
+            spare = min(fitting, key=lambda s: s.capacity)
+            self._spares.remove(spare)
+            segment = spare.reuse(next(self._ids), nbytes)
+            self.segments[segment.ident] = segment
+            return segment
+        size = paged(nbytes)
+        limit = self.limit
+        while (limit is not None and self.held + size > limit) or self._count >= self.max_segments:
+            if not (self.drop_spare() or evict()):
+                return None
+        self._creating += size
+        self._making += 1
+        try:
+            segment = await anyio.to_thread.run_sync(MappedSegment, next(self._ids), nbytes)
+        finally:
+            self._creating -= size
+            self._making -= 1
+        self.segments[segment.ident] = segment
+        return segment
 
     def drop_spare(self) -> bool:
         """Close the oldest spare; False if there was none."""

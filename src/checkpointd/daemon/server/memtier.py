@@ -130,6 +130,9 @@ class MemoryTier:
     release: Callable[[MappedSegment], None]
     """Frees a segment (and its bytes in the service's memory budget)."""
     roots: dict[RootKey, list[HeldCheckpoint]] = field(default_factory=dict)
+    added: Callable[[RootKey, HeldCheckpoint], None] = lambda key, held: None
+    """Called with each copy ``add`` keeps (the service sends a rank's share to its
+    peers from there: server/replicas.py)."""
 
     def add(self, key: RootKey, held: HeldCheckpoint) -> None:
         """Hold ``held`` (just committed) for root ``key``; the copy it supersedes and the
@@ -150,6 +153,8 @@ class MemoryTier:
             while kept and kept[0].step == oldest:
                 self.release(kept.pop(0).segment)
         self.roots[key] = kept
+        if any(h is held for h in kept):
+            self.added(key, held)
 
     def find(self, key: RootKey, step: int, rank: int = 0) -> HeldCheckpoint | None:
         """The held copy of ``step``: ``rank``'s share where local ranks each hold one,

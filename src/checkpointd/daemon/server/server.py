@@ -31,6 +31,8 @@ from checkpointd.daemon.server.admission import Admission, accept_loop, descript
 from checkpointd.daemon.server.conn import Conn
 from checkpointd.daemon.server.memory import SharedMemory
 from checkpointd.daemon.server.memtier import MemoryTier, root_key
+from checkpointd.daemon.server.peerlink import PeerPort, peer_host
+from checkpointd.daemon.server.replicas import Replicas, ref_of
 from checkpointd.daemon.server.saves import Saves
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.bounds import FrameBudget
@@ -59,18 +61,24 @@ class Server:
         memory_limit: int | None = None,
         keep_in_memory: int = 1,
         idle_exit: float | None = None,
+        peer_address: str | None = None,
     ) -> None:
         self.socket_path = os.path.abspath(socket_path)
+        self.peer_address = peer_address
         self.memory_limit = memory_limit
         self.idle_exit = idle_exit
         self.memory = SharedMemory(memory_limit)
         self.tier = MemoryTier(keep_in_memory, self.memory.release)
-        self.memory.evict = self.tier.evict_oldest
+        self.replicas = Replicas(keep_in_memory, self.memory.release)
+        # replicas go first, oldest first; then this node's own held steps
+        self.memory.evict = lambda: self.replicas.evict_oldest() or self.tier.evict_oldest()
         self.saves: Saves | None = None
         self.clients = 0
         self.admission = Admission(descriptor_limit())
         self.memory.max_segments = self.admission.max_segments
         self.frames = FrameBudget(tunables.FRAME_BUFFER_BYTES)
+        self.peers = PeerPort(self.memory, self.tier, self.replicas, self.admission, self.frames)
+        self.tier.added = self.peers.added
         self._quiet_since = time.monotonic()
 
     # -- the process ------------------------------------------------------------
@@ -89,19 +97,28 @@ class Server:
             os.chmod(folder, 0o700)
             _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
             _log.info("shared-memory huge pages: %s", huge_pages_mode())
+            host = peer_host(self.peer_address)
+            peer_listener = None if host is None else await self.peers.listen(host)
+            _log.info("peer port: %s", self.peers.address)
             async with anyio.create_task_group() as group:
                 self.saves = saves = Saves(self.memory, self.tier, group)
                 self.memory.spares_wanted = lambda: len(saves.writers)
                 with anyio.CancelScope() as listening:
                     group.start_soon(self._watch, listening)
-                    await accept_loop(listener, self._connection, group, self.admission.refused)
+                    async with anyio.create_task_group() as ports:
+                        if peer_listener is not None:
+                            ports.start_soon(self.peers.serve, peer_listener, group)
+                        await accept_loop(listener, self._connection, group, self.admission.refused)
                 await listener.aclose()
+                if peer_listener is not None:
+                    await peer_listener.aclose()
                 await self.saves.drain()
                 group.cancel_scope.cancel()
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
             self.tier.clear()
+            self.replicas.clear()
             self.memory.close()
             os.close(lock)
         _log.info("stopped")
@@ -229,6 +246,9 @@ class Server:
                 await self._lookup(conn, message)
             case p.Status(id=ident):
                 await conn.send(self.status(ident))
+            case p.JoinPeers(id=ident):
+                self.replicas.join(root_key(message.root, message.storage_options), message)
+                await conn.send(p.Ok(ident))
             case _:
                 raise p.ProtocolError(f"a {type(message).__name__} is not a request")
 
@@ -260,7 +280,12 @@ class Server:
     async def _lookup(self, conn: Conn, message: p.Lookup) -> None:
         """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
         key = root_key(message.root, message.storage_options)
-        held = self.tier.find(key, message.step, message.rank)
+        held, source = self.tier.find(key, message.step, message.rank), "memory"
+        if held is None:  # a replica another node sent, or fetched from a peer now
+            ref, source = ref_of(key, message.step, message.rank), "peer"
+            held = self.replicas.find(ref)
+            if held is None and (job := self.replicas.job_for(key)) is not None:
+                held = await self.peers.fetch(job, ref)
         if held is None:
             await conn.send(p.NotHeld(message.id))
             return
@@ -268,7 +293,7 @@ class Server:
         try:
             self.memory.lend(held.segment)
             conn.borrowed.append(held.segment)
-            reply = p.Held(message.id, held.step, held.files, held.segment.size)
+            reply = p.Held(message.id, held.step, held.files, held.segment.size, source)
             await conn.send(reply, [fd])
         finally:
             os.close(fd)
@@ -280,7 +305,7 @@ class Server:
             id=ident,
             pid=os.getpid(),
             saves_in_flight=self.in_flight,
-            bytes_staged=self.memory.held - kept - self.memory.spare,
+            bytes_staged=self.memory.held - kept - self.replicas.nbytes - self.memory.spare,
             bytes_kept=kept,
             memory_limit=self.memory_limit,
             kept=self.tier.steps(),
@@ -288,6 +313,12 @@ class Server:
             committed=0 if saves is None else saves.committed,
             failed=0 if saves is None else saves.failed,
             refused=dict(self.admission.refused),
+            service=self.replicas.service,
+            peer_address=self.peers.address,
+            replicas_held=self.replicas.count,
+            replicas_sent=self.replicas.sent,
+            replica_bytes_sent=self.replicas.bytes_sent,
+            replica_failures=dict(self.replicas.failures),
         )
 
 
@@ -297,8 +328,10 @@ def serve(
     memory_limit: int | None = None,
     keep_in_memory: int = 1,
     idle_exit: float | None = None,
+    peer_address: str | None = None,
 ) -> None:
-    """Run the service in the foreground until SIGTERM/SIGINT or ``idle_exit``."""
+    """Run the service in the foreground until SIGTERM/SIGINT or ``idle_exit``; peers
+    reach it on ``peer_address`` (None: the address this node's hostname resolves to)."""
     if keep_in_memory < 0:
         raise errors.InvalidArgumentError(
             f"--keep-in-memory must be 0 or more, not {keep_in_memory}"
@@ -307,6 +340,10 @@ def serve(
         raise errors.InvalidArgumentError(f"--idle-exit must be positive, not {idle_exit}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s checkpointd serve: %(message)s")
     server = Server(
-        socket_path, memory_limit=memory_limit, keep_in_memory=keep_in_memory, idle_exit=idle_exit
+        socket_path,
+        memory_limit=memory_limit,
+        keep_in_memory=keep_in_memory,
+        idle_exit=idle_exit,
+        peer_address=peer_address,
     )
     anyio.run(server.run, backend="asyncio")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -92,14 +94,20 @@ def os_close(fd: int) -> None:
 
 
 async def read_async(
-    stream: ByteReceiveStream, buffer: bytearray, budget: FrameBudget
-) -> Message | None:
+    stream: ByteReceiveStream,
+    buffer: bytearray,
+    budget: FrameBudget,
+    *,
+    decoder: Callable[[memoryview], Any] = decode,
+    limit: Callable[[bytes], int] = request_limit,
+) -> Any:
     """The next frame's message from an anyio stream (the service's side), None at a
     clean end; ProtocolError otherwise: a frame over its kind's limit
     (``bounds.request_limit``, told from its first bytes), one whose body does not arrive
     within FRAME_SECONDS of its length, one past ``bounds.check_structure``. A frame over
     SMALL_FRAME_BYTES holds its length of ``budget`` while it is buffered and is checked
-    and decoded on a worker thread, one at a time. Event loop."""
+    and decoded on a worker thread, one at a time. ``decoder`` and ``limit``: another
+    protocol's (the peer port's, wire/peers.py). Event loop."""
 
     async def fill(count: int) -> bool:
         while len(buffer) < count:
@@ -121,10 +129,10 @@ async def read_async(
     try:
         with anyio.move_on_after(tunables.FRAME_SECONDS) as scope:
             complete = await fill(4 + min(length, len(SUBMIT_HEAD)))
-            limit = request_limit(bytes(buffer[4 : 4 + len(SUBMIT_HEAD)]))
-            if complete and length > limit:
+            most = limit(bytes(buffer[4 : 4 + len(SUBMIT_HEAD)]))
+            if complete and length > most:
                 raise ProtocolError(
-                    f"a frame of {length} bytes announced; the limit is {limit} for any "
+                    f"a frame of {length} bytes announced; the limit is {most} for any "
                     "request but a Submit"
                 )
             if complete and large:
@@ -137,9 +145,9 @@ async def read_async(
             raise ProtocolError("the stream ended inside a frame")
         if large:
             async with budget.decoding:
-                message = await anyio.to_thread.run_sync(_take, buffer, length)
+                message = await anyio.to_thread.run_sync(_take, buffer, length, decoder)
         else:
-            message = _take(buffer, length)
+            message = _take(buffer, length, decoder)
     finally:
         if reserved:
             budget.release(reserved)
@@ -147,9 +155,9 @@ async def read_async(
     return message
 
 
-def _take(buffer: bytearray, length: int) -> Message:
+def _take(buffer: bytearray, length: int, decoder: Callable[[memoryview], Any]) -> Any:
     """The message of the frame at the start of ``buffer`` (``length`` bytes after its
     prefix), its structure bounded first. Any thread."""
     with memoryview(buffer) as view, view[4 : 4 + length] as body:
         check_structure(body)
-        return decode(body)
+        return decoder(body)

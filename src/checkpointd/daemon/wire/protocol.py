@@ -35,12 +35,14 @@ __all__ = [
     "Free",
     "Held",
     "HeldFile",
+    "JoinPeers",
     "Lookup",
     "Message",
     "NotHeld",
     "Notice",
     "Ok",
     "OpenWriter",
+    "PeerService",
     "ProtocolError",
     "Segment",
     "ShardDesc",
@@ -186,6 +188,31 @@ class Status(_Msg):
     id: int
 
 
+class PeerService(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One service of a job (a node): its identity (``StatusReply.service``), its peer
+    address (HOST:PORT) and the job's ranks it serves."""
+
+    service: str
+    address: str
+    ranks: list[int]
+
+
+class JoinPeers(_Msg):
+    """A job's trainer on this node tells its service the job's key and services (rank
+    order) for ``root``: with ``replicas`` > 0, the shares of ``ranks`` (this node's) that
+    it holds are sent to that many other services; either way the service may fetch from
+    them, and they from it, the shares of that root (wire/peers.py)."""
+
+    id: int
+    root: str
+    storage_options: dict[str, Any] | None
+    job: str
+    key: bytes
+    ranks: list[int]
+    replicas: int
+    services: list[PeerService]
+
+
 # -- replies and events (service -> client) -----------------------------------------
 
 
@@ -233,6 +260,8 @@ class Held(_Msg):
     step: int
     files: list[HeldFile]
     size: int
+    source: str = "memory"
+    """"peer": the copy is a replica another node's service sent (wire/peers.py)."""
 
 
 class NotHeld(_Msg):
@@ -253,7 +282,18 @@ class StatusReply(_Msg):
     refused: dict[str, int] = msgspec.field(default_factory=dict)
     """What the service refused since it started, by kind: ``connections`` (past a cap),
     ``descriptors`` (none left to accept one), ``segments`` (past a client's cap),
-    ``frames`` (a frame too large, too deep, too slow or malformed)."""
+    ``frames`` (a frame too large, too deep, too slow or malformed), ``peers`` (a peer
+    connection that did not prove its job's key)."""
+    service: str = ""
+    """This service's identity (random, made at start)."""
+    peer_address: str | None = None
+    """HOST:PORT other services reach it at; None: no peer port."""
+    replicas_held: int = 0
+    """Shares of other nodes' ranks held (replicas)."""
+    replicas_sent: int = 0
+    replica_bytes_sent: int = 0
+    replica_failures: dict[str, int] = msgspec.field(default_factory=dict)
+    """Replicas not sent, not held or not fetched, by why."""
 
 
 class Committed(_Msg):
@@ -293,6 +333,7 @@ Message = (
     | Submit
     | Lookup
     | Status
+    | JoinPeers
     | WriterOpened
     | Segment
     | Ok
