@@ -13,7 +13,9 @@ and ``set_optimizer_state_dict`` loads it. Caller thread.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,10 +69,78 @@ def by_parameter_name(state: Mapping[str, Any], *, ranked: bool) -> dict[str, An
                     "save the model that holds its parameters in the same state"
                 )
             continue
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        out[name] = get_optimizer_state_dict(model, value)
+        out[name] = _named_state(model, value)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """The names DCP gave an optimizer's parameters, and the layout they hold for."""
+
+    model: weakref.ref[torch.nn.Module]
+    params: tuple[int, ...]
+    """The ids of the optimizer's parameters, in the order its state_dict numbers them."""
+    named: tuple[tuple[str, int], ...]
+    """The model's ``named_parameters()`` as (name, id)."""
+    names: tuple[str, ...]
+    """The name of each of ``params``."""
+
+
+_NAMES: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Names] = weakref.WeakKeyDictionary()
+"""Per optimizer, its parameters' names at its last save (a save plan's part that DCP's
+get_optimizer_state_dict computes again at every call: a walk of the whole model)."""
+
+
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """DCP's ``get_optimizer_state_dict(model, optimizer)``: the optimizer's own state_dict
+    with each parameter's number replaced by its name. The names are kept between saves
+    while the layout holds (the same parameters in the optimizer and the same named
+    parameters in the model, its state initialized, its state_dict not DCP's patched one),
+    and only where they were seen to give exactly DCP's result. Caller thread."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params = tuple(map(id, _params(optimizer)))
+    named = tuple((name, id(p)) for name, p in model.named_parameters())
+    cached = _NAMES.get(optimizer)
+    if (
+        cached is not None
+        and cached.params == params
+        and cached.named == named
+        and cached.model() is model
+        and optimizer.state
+        and "state_dict" not in vars(optimizer)
+    ):
+        return _renamed(optimizer.state_dict(), cached.names)
+    _NAMES.pop(optimizer, None)
+    found: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
+    names = tuple(p for group in found["param_groups"] for p in group["params"])
+    if len(names) == len(params) and optimizer.state and "state_dict" not in vars(optimizer):
+        again = _renamed(optimizer.state_dict(), names)
+        if _same_shape(again, found):
+            _NAMES[optimizer] = _Names(weakref.ref(model), params, named, names)
+    return found
+
+
+def _renamed(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` keyed by ``names`` (its parameters' numbers' names)."""
+    groups = state["param_groups"]
+    for group in groups:
+        group["params"] = [names[i] for i in group["params"]]
+    return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
+
+
+def _same_shape(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True if two by-name optimizer states hold the same entries: the same names in the
+    same order, the same per-parameter state objects and the same group values."""
+    if list(a) != list(b) or list(a["state"]) != list(b["state"]):
+        return False
+    if any(x is not y for x, y in zip(a["state"].values(), b["state"].values(), strict=True)):
+        return False
+    groups = a["param_groups"], b["param_groups"]
+    return len(groups[0]) == len(groups[1]) and all(
+        list(x) == list(y) and all(x[k] is y[k] if k != "params" else x[k] == y[k] for k in x)
+        for x, y in zip(*groups, strict=True)
+    )
 
 
 def is_by_name(tree: Any) -> bool:

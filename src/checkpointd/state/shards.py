@@ -52,41 +52,57 @@ def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
 
 
-def local_shard(tensor: Any, ordinal: int, ranked: bool, where: str) -> LocalShard:
+def local_shard(tensor: Any, ordinal: int, ranked: bool, where: Callable[[], str]) -> LocalShard:
     """This rank's shard of DTensor ``tensor``, the ``ordinal``-th DTensor of its
     component. ``ranked``: the writer saves with every rank of the job; a DTensor
-    spread over several ranks cannot be saved by a writer that saves alone.
-    Caller thread. Raises UnsupportedValueError for placements it cannot store."""
+    spread over several ranks cannot be saved by a writer that saves alone. ``where``
+    says where the tensor is, for an error. Caller thread. Raises
+    UnsupportedValueError for placements it cannot store."""
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    shape = tuple(tensor.shape)
+    # the checks and the arithmetic depend on the layout alone: once per layout, not per save
+    found = _shard_layout(shape, mesh, placements, tuple(map(type, placements)))
+    if isinstance(found, str):
+        raise UnsupportedValueError(f"{where()}: {found}")
+    local_shape, offsets, replica, replicas, spread = found
+    if spread > 1 and not ranked:
+        raise UnsupportedValueError(
+            f"{where()}: a DTensor spread over {spread} ranks needs a writer that saves "
+            "with every rank (process_group=None after init_process_group), not one "
+            "that saves alone"
+        )
+    local = tensor.to_local().detach()
+    written = replica is not None and replica == ordinal % replicas
+    if tuple(local.shape) != local_shape:
+        raise UnsupportedValueError(
+            f"{where()}: the DTensor's local shard has shape {tuple(local.shape)}, its placements "
+            f"give {local_shape}; uneven or strided shards are not supported"
+        )
+    return LocalShard(local, shape, offsets, written)
+
+
+_Layout = tuple[tuple[int, ...], tuple[int, ...], int | None, int, int]
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_layout(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], kinds: tuple[type, ...]
+) -> _Layout | str:
+    """``_placement`` and the mesh's size for a DTensor of ``shape`` placed so, or why it
+    cannot be stored. Cached: a save meets the same few layouts for every parameter, and
+    again at every save. ``kinds`` (the placements' types) keeps a subclass of a placement
+    that compares equal to it apart."""
     for placement in placements:
         if placement.is_partial():
-            raise UnsupportedValueError(
-                f"{where}: a DTensor with a Partial placement holds unreduced values; "
+            return (
+                "a DTensor with a Partial placement holds unreduced values; "
                 "redistribute it to Shard or Replicate before saving"
             )
         if not (placement.is_shard() or placement.is_replicate()) or (
             type(placement).__name__ != "Shard" and placement.is_shard()
         ):
-            raise UnsupportedValueError(
-                f"{where}: DTensor placement {placement!r} is not supported (Shard and "
-                "Replicate are)"
-            )
-    if mesh.size() > 1 and not ranked:
-        raise UnsupportedValueError(
-            f"{where}: a DTensor spread over {mesh.size()} ranks needs a writer that saves "
-            "with every rank (process_group=None after init_process_group), not one "
-            "that saves alone"
-        )
-    shape = tuple(tensor.shape)
-    local_shape, offsets, replica, replicas = _placement(shape, mesh, placements)
-    local = tensor.to_local().detach()
-    written = replica is not None and replica == ordinal % replicas
-    if tuple(local.shape) != tuple(local_shape):
-        raise UnsupportedValueError(
-            f"{where}: the DTensor's local shard has shape {tuple(local.shape)}, its placements "
-            f"give {tuple(local_shape)}; uneven or strided shards are not supported"
-        )
-    return LocalShard(local, shape, offsets, written)
+            return f"DTensor placement {placement!r} is not supported (Shard and Replicate are)"
+    return (*_placement(shape, mesh, placements), mesh.size())
 
 
 @functools.lru_cache(maxsize=4096)

@@ -28,7 +28,7 @@ from checkpointd.format.codec import (
     TupleNode,
     numpy_scalar_node,
 )
-from checkpointd.format.dtypes import check_storable, encode_dtype
+from checkpointd.format.dtypes import CODES, check_storable, encode_dtype
 from checkpointd.format.header import shape_fits
 from checkpointd.state import tree as trees
 from checkpointd.state.shards import is_dtensor, local_shard
@@ -197,25 +197,27 @@ class Walker:
         return node
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
-        where = self._where(path)
         if is_dtensor(tensor):
             return self._add_dtensor(tensor, path)
         plain = tensor.detach()
         if type(plain) is not torch.Tensor:
             raise UnsupportedValueError(
-                f"{where}: tensor subclass {type(tensor).__qualname__} is not supported; "
-                "convert it to a plain tensor (e.g. DTensor.full_tensor())"
+                f"{self._where(path)}: tensor subclass {type(tensor).__qualname__} is not "
+                "supported; convert it to a plain tensor (e.g. DTensor.full_tensor())"
             )
         if plain.layout != torch.strided or plain.is_quantized or plain.is_nested:
-            raise UnsupportedValueError(f"{where}: only dense (strided) tensors can be stored")
+            raise UnsupportedValueError(
+                f"{self._where(path)}: only dense (strided) tensors can be stored"
+            )
         if plain.device.type == "meta":
-            raise UnsupportedValueError(f"{where}: meta tensors hold no data to store")
-        check_storable(plain.dtype, where)
+            raise UnsupportedValueError(f"{self._where(path)}: meta tensors hold no data to store")
+        if plain.dtype not in CODES:
+            check_storable(plain.dtype, self._where(path))
         shape = tuple(plain.shape)
         numel = plain.numel()
         if numel == 0 and not shape_fits(shape):  # a non-empty shape fits: numel is an int64
             raise UnsupportedValueError(
-                f"{where}: shape {shape} is too large to store (the product of "
+                f"{self._where(path)}: shape {shape} is too large to store (the product of "
                 "its dimensions, zeros counted as one, must fit 64 bits)"
             )
         alias_key = trees.alias_key(plain)
@@ -237,9 +239,9 @@ class Walker:
         key = ("dtensor", id(tensor))
         if key in self._aliases:
             return self._aliases[key]
-        where = self._where(path)
-        shard = local_shard(tensor, len(self.shards), self.ranked, where)
-        check_storable(tensor.dtype, where)
+        shard = local_shard(tensor, len(self.shards), self.ranked, lambda: self._where(path))
+        if tensor.dtype not in CODES:
+            check_storable(tensor.dtype, self._where(path))
         name = self._unique_name(path)
         self._aliases[key] = name
         self.shards.append(

@@ -58,6 +58,7 @@ class StagingBuffer:
         self._arena: torch.Tensor | None = None
         self._allocate = allocate
         self.allocations = 0
+        self._targets: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     @classmethod
     def over(cls, arena: torch.Tensor) -> StagingBuffer:
@@ -71,12 +72,14 @@ class StagingBuffer:
         """Return a uint8 tensor of at least ``nbytes``, reusing the arena when it fits."""
         if self._allocate is not None:
             self._arena = None
+            self._targets = {}  # views of the old arena hold its memory too
             self._arena = self._allocate(nbytes, pinned)
             self.allocations += 1
             return self._arena
         arena = self._arena
         if arena is None or arena.numel() < nbytes or arena.is_pinned() != pinned:
             self._arena = None  # drop the old arena before allocating the new one
+            self._targets = {}
             raw = torch.empty(max(nbytes, 1) + _REGION_ALIGN, dtype=torch.uint8, pin_memory=pinned)
             skip = -raw.data_ptr() % _REGION_ALIGN
             arena = raw[skip : skip + max(nbytes, 1)]
@@ -87,6 +90,29 @@ class StagingBuffer:
     def drop(self) -> None:
         """Forget the arena (its memory is freed once nothing else references it)."""
         self._arena = None
+        self._targets = {}
+
+    def targets(
+        self, arena: torch.Tensor, places: list[tuple[int, int, torch.dtype, tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
+        """For each ``(begin, nbytes, dtype, shape)``, the arena's bytes from ``begin`` as a
+        tensor of that dtype and shape: ``arena`` (this buffer's, from ``reserve``) viewed
+        so. The views are kept for the next capture of the same layout into the same arena
+        (three tensor ops each, some microseconds a tensor), only the last capture's; a new
+        arena drops them. Caller's thread."""
+        assert arena is self._arena
+        kept = self._targets
+        fresh: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        found: list[torch.Tensor] = []
+        for begin, nbytes, dtype, shape in places:
+            key = (begin, dtype, shape)
+            view = kept.get(key)
+            if view is None:
+                view = arena[begin : begin + nbytes].view(dtype).view(shape)
+            fresh[key] = view
+            found.append(view)
+        self._targets = fresh
+        return found
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``offset .. offset + nbytes`` of the arena, without copying."""
@@ -251,14 +277,16 @@ def _capture(
     ]
     uses_cuda = any(s.tensor.device.type == "cuda" for r in regions for s in r[0])
     arena = buffer.reserve(total, pinned=uses_cuda)
-    copies: list[Copy] = []
+    copied: list[Source] = []
+    places: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
     for sources, entries, offset, stored in regions:
         for source, entry in zip(sources, entries, strict=True):
             if source.nbytes == 0 or source.name in stored:
                 continue
-            begin = offset + entry.begin
-            target = arena[begin : begin + source.nbytes].view(source.tensor.dtype)
-            copies.append((source.tensor, target.view(source.tensor.shape)))
+            copied.append(source)
+            places.append((offset + entry.begin, source.nbytes, entry.dtype, entry.shape))
+    targets = buffer.targets(arena, places)
+    copies = [(s.tensor, t) for s, t in zip(copied, targets, strict=True)]
     (copier or copy_now)(copies, uses_cuda)
     return [component for component, _ in planned]
 
