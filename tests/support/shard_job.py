@@ -24,7 +24,8 @@ socket paths: rank R saves through the checkpoint service at the R-th, or restor
 as tcp:// init hosts it), CHECKPOINTD_TEST_STAGING (the writer's ``staging``; with
 ``overlapped`` the copy is held until ``save()`` returned, reported as
 ``staged_at_return``, then the training step after the save runs while it copies),
-CHECKPOINTD_TEST_ASYNC=1 (save with an AsyncCheckpointWriter under asyncio). Reports also
+CHECKPOINTD_TEST_ASYNC=1 (save with an AsyncCheckpointWriter under asyncio),
+CHECKPOINTD_TEST_REPLICAS (the writer's ``replicas``, with services). Reports also
 carry ``shard_bytes_read``: distinct bytes this rank read from shard files on storage
 (local or fsspec; not those the memory tier served), ``indexes_read``: the shard index
 files it read, and for a restore ``source``: its ``RestoreInfo.source``.
@@ -224,6 +225,7 @@ def save(
         "incremental": os.environ.get("CHECKPOINTD_TEST_INCREMENTAL") == "1",
         "service": service,
         "staging": os.environ.get("CHECKPOINTD_TEST_STAGING", "blocking"),
+        "replicas": int(os.environ.get("CHECKPOINTD_TEST_REPLICAS", "0")),
     }
     state = {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
     if os.environ.get("CHECKPOINTD_TEST_ASYNC") == "1":
