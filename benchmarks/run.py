@@ -3,8 +3,9 @@
 Writes ``results.json`` and PNG plots to ``benchmarks/results/`` (or ``--out``)
 and prints every figure. Sections: large (604 MB and 1.8 GB states against
 torch.save, safetensors, DCP save/async_save, floors, peak RSS), small (20,000
-tensors), training (step slowdown during a background save), s3 (moto), and
-scaling (10 MB up to 2 GB; ``--max-gb 4`` for 4 GB, needing ~12 GB of RAM).
+tensors), training (step slowdown during a background save), s3 (moto),
+scaling (10 MB up to 2 GB; ``--max-gb 4`` for 4 GB, needing ~12 GB of RAM), and
+peers (4 services: a lost node's restore from a peer's memory vs storage).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from benchmarks.bench_save import (
     ratios,
     report,
 )
+from benchmarks.bench_stall import stall
 from benchmarks.common import (
     GB,
     MiB,
@@ -48,6 +49,7 @@ from benchmarks.common import (
     work_dir,
 )
 from benchmarks.procwriter import ProcessWriter, write_file
+from benchmarks.sections_lived import load, window
 
 
 @dataclass
@@ -497,12 +499,33 @@ def scaling(cfg: Config) -> dict[str, Any]:
     return {"rows": rows}
 
 
+# ---------------------------------------------------------------------------
+# 6. Peer replicas of the memory tier
+
+
+def peers(cfg: Config) -> dict[str, Any]:
+    """4 services and 4 gloo ranks (FSDP2): a lost node's restore from a peer's memory
+    against storage, and replicas=1 against 0 for saves (benchmarks/bench_peers.py)."""
+    from benchmarks import bench_peers
+
+    mb, reps = (2.0, 1) if cfg.smoke else (32.0, 2) if cfg.quick else (96.0, 3)
+    with work_dir(cfg.folder, "peers") as folder:
+        results = bench_peers.run(folder, mb, reps, s3=not cfg.smoke)
+    for label, result in results.items():
+        cfg.log("\n".join(bench_peers.report(label, result)))
+    return results
+
+
 SECTIONS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "large": large,
     "small": small,
     "training": training,
     "s3": s3,
     "scaling": scaling,
+    "stall": stall,
+    "load": load,
+    "window": window,
+    "peers": peers,
 }
 
 __all__ = ["SECTIONS", "Config"]
