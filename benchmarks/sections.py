@@ -33,7 +33,6 @@ from benchmarks.bench_save import (
     ratios,
     report,
 )
-from benchmarks.bench_stall import stall
 from benchmarks.common import (
     GB,
     MiB,
@@ -49,7 +48,6 @@ from benchmarks.common import (
     work_dir,
 )
 from benchmarks.procwriter import ProcessWriter, write_file
-from benchmarks.sections_lived import load, window
 
 
 @dataclass
@@ -522,9 +520,6 @@ SECTIONS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "training": training,
     "s3": s3,
     "scaling": scaling,
-    "stall": stall,
-    "load": load,
-    "window": window,
     "peers": peers,
 }
 
