@@ -48,6 +48,7 @@ from benchmarks.common import (
     work_dir,
 )
 from benchmarks.procwriter import ProcessWriter, write_file
+from benchmarks.sections_lived import load, window
 
 
 @dataclass
@@ -520,6 +521,8 @@ SECTIONS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "training": training,
     "s3": s3,
     "scaling": scaling,
+    "load": load,
+    "window": window,
     "peers": peers,
 }
 
