@@ -184,6 +184,23 @@ def test_the_service_runs_below_the_trainers_priority(service: Service) -> None:
         assert io_priority(unchanged.proc.pid) == io_priority()
 
 
+def test_every_thread_of_the_service_runs_below_the_trainers_priority(
+    service: Service, tmp_path: Path
+) -> None:
+    # Niceness and I/O class are per thread on Linux: the ones the service had before it
+    # lowered its priority (numpy's OpenBLAS worker) must be lowered too, and the ones it
+    # starts for a save inherit it.
+    with checkpointd.CheckpointWriter(str(tmp_path / "root"), service=service.socket) as writer:
+        writer.save(1, {"model": {"w": torch.randn(1024)}}).result(60)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{service.proc.pid}/task")]
+        assert len(threads) > 2, threads
+        shown = {
+            tid: (os.getpriority(os.PRIO_PROCESS, tid) - os.nice(0), io_priority(tid))
+            for tid in threads
+        }
+    assert all(value == (10, (2, 7)) for value in shown.values()), shown
+
+
 def _write_calls(pid: int) -> int:
     """Write system calls process ``pid`` has made (all its threads), from /proc."""
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():

@@ -2,15 +2,21 @@
 
 The service shares the node's cores and disks with the training processes it
 serves; a save should take what training leaves. ``lower_priority`` raises the
-process's niceness (``os.nice``: every thread, also those started later) and
-sets its I/O priority (Linux ``ioprio_set``: best effort at the given level, or
-the idle class) where the kernel allows it. Either may be refused (a container
-without the right, another kernel): it is logged, never fatal. No torch here.
+niceness and sets the I/O priority (Linux ``ioprio_set``: best effort at the given
+level, or the idle class) of every thread the process has, where the kernel allows
+it. On Linux both are per thread, and a thread inherits them from the one that
+starts it: so the threads started later get them too, and the ones already there
+must be set one by one (importing numpy starts OpenBLAS's worker thread, which kept
+niceness 0 and no I/O class while only the calling thread was lowered). Either may
+be refused (a container without the right, another kernel): it is logged, never
+fatal. No torch here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -45,12 +51,25 @@ def io_priority(pid: int = 0) -> tuple[int, int]:
     return value >> _CLASS_SHIFT, value & ((1 << _CLASS_SHIFT) - 1)
 
 
+def _thread_ids() -> list[int]:
+    """Every thread of this process (Linux: /proc/self/task), or 0 (the calling one)."""
+    try:
+        return sorted(int(tid) for tid in os.listdir("/proc/self/task"))
+    except OSError:
+        return [0]
+
+
 def lower_priority(niceness: int, io: str) -> None:
-    """Add ``niceness`` to this process's (0: unchanged) and set its I/O priority: ``io``
-    is a best-effort level "0".."7", "idle", or "none" (unchanged)."""
+    """Add ``niceness`` to every thread's of this process (0: unchanged; at most 19) and
+    set their I/O priority: ``io`` is a best-effort level "0".."7", "idle", or "none"
+    (unchanged). Call it from the main thread before the service starts its own."""
+    threads = _thread_ids()
     if niceness:
         try:
-            os.nice(niceness)
+            for tid in threads:
+                with contextlib.suppress(ProcessLookupError):  # the thread has ended
+                    now = os.getpriority(os.PRIO_PROCESS, tid)
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, now + niceness))
         except OSError as exc:
             _log.warning("could not lower the service's CPU priority: %s", exc)
     if io == "none":
@@ -61,6 +80,11 @@ def lower_priority(niceness: int, io: str) -> None:
         else (_CLASS_BEST_EFFORT << _CLASS_SHIFT) | int(io)
     )
     try:
-        _syscall(_IOPRIO_SET, _WHO_PROCESS, 0, value)
+        for tid in threads:
+            try:
+                _syscall(_IOPRIO_SET, _WHO_PROCESS, tid, value)
+            except OSError as exc:
+                if exc.errno != errno.ESRCH:  # ESRCH: the thread has ended
+                    raise
     except OSError as exc:
         _log.warning("could not lower the service's I/O priority: %s", exc)
