@@ -33,6 +33,7 @@ from benchmarks.bench_save import (
     ratios,
     report,
 )
+from benchmarks.bench_stall import stall
 from benchmarks.common import (
     GB,
     MiB,
@@ -521,6 +522,7 @@ SECTIONS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "training": training,
     "s3": s3,
     "scaling": scaling,
+    "stall": stall,
     "load": load,
     "window": window,
     "peers": peers,
