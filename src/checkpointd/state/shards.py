@@ -71,7 +71,9 @@ def local_shard(tensor: Any, ordinal: int, ranked: bool, where: Callable[[], str
             "with every rank (process_group=None after init_process_group), not one "
             "that saves alone"
         )
-    local = tensor.to_local().detach()
+    local = tensor.to_local()
+    if local.requires_grad:
+        local = local.detach()
     written = replica is not None and replica == ordinal % replicas
     if tuple(local.shape) != local_shape:
         raise UnsupportedValueError(

@@ -88,6 +88,8 @@ class Walker:
             return self._text(value, path, "string")
         if kind is int:
             return self._int(value, path)
+        if kind is dict or kind is list:
+            return self._container(value, path, level + 1)
         if isinstance(value, torch.Tensor):
             return TensorRef(self._add_tensor(value, path))
         if isinstance(value, np.ndarray):
@@ -146,6 +148,8 @@ class Walker:
 
     def _key(self, key: Any, path: tuple[str, ...]) -> Any:
         """A dict key as stored: a plain str or a 64-bit int (subclasses become those)."""
+        if type(key) is str:
+            return self._text(key, path, "dict key")
         if isinstance(key, str):
             return self._text(str.__str__(key), path, "dict key")
         if isinstance(key, int) and _MSGPACK_INT_MIN <= key <= _MSGPACK_INT_MAX:
@@ -199,7 +203,10 @@ class Walker:
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
         if is_dtensor(tensor):
             return self._add_dtensor(tensor, path)
-        plain = tensor.detach()
+        # detached (a Parameter becomes a Tensor), unless it is a plain tensor already
+        plain = (
+            tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
+        )
         if type(plain) is not torch.Tensor:
             raise UnsupportedValueError(
                 f"{self._where(path)}: tensor subclass {type(tensor).__qualname__} is not "
