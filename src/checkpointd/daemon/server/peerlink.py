@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
-from typing import cast
+import time
 
 import anyio
+import anyio.to_thread
 from anyio.abc import ByteStream, SocketAttribute, SocketListener, SocketStream, TaskGroup
 
 from checkpointd import tunables
@@ -34,6 +36,7 @@ from checkpointd.daemon.wire import peers as w
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.bounds import FrameBudget
 from checkpointd.daemon.wire.frames import read_async
+from checkpointd.daemon.wire.shm import MappedSegment
 from checkpointd.errors import CheckpointError
 
 __all__ = ["PEER_PID", "PeerPort", "peer_host"]
@@ -85,6 +88,35 @@ class _Link:
 
 def _deadline(size: int) -> float:
     return tunables.FRAME_SECONDS + size / tunables.PEER_MIN_BYTES_PER_SECOND
+
+
+def _raw(stream: ByteStream, segment: MappedSegment, deadline: float, sending: bool) -> None:
+    """Send ``segment``'s bytes on ``stream``'s socket, or receive that many into it, by
+    ``deadline`` (time.monotonic; TimeoutError after it); ProtocolError if the other side
+    closes first. Worker thread, while the event loop leaves the socket alone."""
+    wrapped = stream.extra(SocketAttribute.raw_socket)  # asyncio's: no recv_into
+    # a socket object of our own on a duplicate of its fd (the same connection, still
+    # non-blocking: its mode is the connection's, left as it is)
+    sock = socket.fromfd(wrapped.fileno(), wrapped.family, wrapped.type)
+    size, chunk = segment.size, tunables.PEER_CHUNK_BYTES
+    poll = select.poll()
+    poll.register(sock, select.POLLOUT if sending else select.POLLIN)
+    done = 0
+    with sock, memoryview(segment.map) as view:
+        while done < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a replica's {size} bytes did not pass within the time allowed")
+            if not poll.poll(left * 1000):
+                continue
+            part = view[done : min(size, done + chunk)]
+            try:
+                moved = sock.send(part) if sending else sock.recv_into(part)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if moved == 0:
+                raise p.ProtocolError("the peer closed the connection inside a replica's bytes")
+            done += moved
 
 
 class PeerPort:
@@ -202,11 +234,11 @@ class PeerPort:
             if not reply.ok:
                 self.replicas.failures[f"peer refused: {reply.why}"] += 1
                 return False
-            size, step = segment.size, tunables.PEER_CHUNK_BYTES
-            with anyio.fail_after(_deadline(size)), memoryview(segment.map) as view:
-                for at in range(0, size, step):
-                    # the transport sends a bytes-like as is (copied only if it must wait)
-                    await link.stream.send(cast(bytes, view[at : min(size, at + step)]))
+            # the other side read the offer before it answered: nothing of ours is left in
+            # the transport, and the segment goes from its mapping to the socket directly
+            await anyio.to_thread.run_sync(
+                _raw, link.stream, segment, time.monotonic() + _deadline(segment.size), True
+            )
             return (await link.done()).ok
         finally:
             self.memory.unpin(segment)
@@ -230,14 +262,13 @@ class PeerPort:
             return None
         try:
             await link.send(w.PeerDone(True, "send"))
-            with anyio.fail_after(_deadline(size)), memoryview(segment.map) as view:
-                got = min(len(link.buffer), size)
-                view[:got] = link.buffer[:got]
-                del link.buffer[:got]
-                while got < size:
-                    data = await link.stream.receive(min(tunables.PEER_CHUNK_BYTES, size - got))
-                    view[got : got + len(data)] = data
-                    got += len(data)
+            if link.buffer:  # the other side sends the bytes only once told to
+                raise p.ProtocolError("a peer sent bytes before it was asked for them")
+            # read from the socket into the mapping directly, off the event loop (the
+            # transport reads only inside a receive: none runs meanwhile)
+            await anyio.to_thread.run_sync(
+                _raw, link.stream, segment, time.monotonic() + _deadline(size), False
+            )
             await link.send(w.PeerDone(True))
         except BaseException:
             self.memory.release(segment)
