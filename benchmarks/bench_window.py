@@ -6,12 +6,17 @@ number of steps. A save window calls ``save()`` at its first step (the blocked
 time counts) and, after its last step, waits for the save to be durable (any wait
 counts too); an idle window saves nothing. The saved state is the loop's model
 and optimizer plus a frozen model of ``--frozen-mb`` MB (a large model's weights,
-so a save is in flight for seconds on a CPU). Windows rotate over the kinds
-(idle; by default the in-process writer and the service at its default priority;
-``--kinds`` adds the writer's threads or the service at other priorities, and a
-service run from another source tree, ``--before SRC``, e.g. a worktree of an
-older commit, for a before/after comparison in one run), and every
-figure is a median over windows of a kind with [min..max].
+so a save is in flight for seconds on a CPU). Save windows rotate over the
+writer kinds (by default the in-process writer and the service at its default
+priority; ``--kinds`` adds the writer's threads or the service at other
+priorities, and a service run from another source tree, ``--before SRC``, e.g. a
+worktree of an older commit, for a before/after comparison in one run), each
+with an idle window beside it (before it in even rounds, after it in odd ones).
+Every figure is a median over windows of a kind with [min..max]; the ratio to
+idle is given both as a ratio of medians and as the median of each save
+window's ratio to its own idle neighbour (on a shared machine, whose load drifts
+over minutes, the paired one is the steadier). Each window also records the CPU
+seconds this process and the kind's service spent in it.
 
 The window's length is ``--window-steps``, or by default as many steps as take
 ``--window-seconds`` (5) with nothing in flight, and never fewer than 1.2 times
@@ -66,7 +71,7 @@ KINDS: dict[str, tuple[tuple[str, ...] | None, dict[str, Any]]] = {
     "inproc_nice19": (None, {"background_niceness": 19}),
     "service": ((), {}),
     "service_nice0": (("--niceness", "0", "--io-priority", "none"), {}),
-    "service_nice19": (("--niceness", "19", "--io-priority", "idle"), {}),
+    "service_nice19": (("--niceness", "19"), {}),
     "service_before": ((), {}),
 }
 """Writer kinds: (None: in-process, else the service's arguments; the writer's options).
@@ -194,6 +199,21 @@ def _steps_in_flight(trainer: Trainer, writer: checkpointd.CheckpointWriter, ste
     return steps
 
 
+_SERVICE_PIDS: dict[str, int] = {}
+
+
+def _cpu_seconds(kind: str | None) -> float:
+    """CPU seconds so far of this process (every thread: the in-process writer's too) and,
+    for a service kind, of its service process."""
+    times = os.times()
+    total = times.user + times.system
+    pid = _SERVICE_PIDS.get(kind or "")
+    if pid is not None:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _idle_step(trainer: Trainer, steps: int = 9) -> float:
     """The median seconds of a training step with nothing in flight."""
     times = []
@@ -210,6 +230,7 @@ def _services(
 ) -> Iterator[dict[str, str]]:
     """A service per kind (default arguments, or those given; ``service_before`` run from
     ``before``'s tree), yielding each one's socket."""
+    _SERVICE_PIDS.clear()
     folders: list[str] = []
     procs = []
     sockets: dict[str, str] = {}
@@ -222,6 +243,7 @@ def _services(
             env = repo_env(before) if name == "service_before" and before else None
             procs.append(start_service(folder, *args, env=env))
             sockets[name] = os.path.join(folder, "sock")
+            _SERVICE_PIDS[name] = procs[-1].pid
         yield sockets
     finally:
         for proc in procs:
@@ -278,16 +300,23 @@ def run(
                 f" state {sum(t.numel() * 4 for t in trainer.state['frozen'].values()) / 1e6:.0f}"
                 f" MB frozen + the model and AdamW; {rounds} rounds"
             )
-            order: list[str | None] = [None, *writers]
+            names = list(writers)
             for round_ in range(rounds):
-                shift = round_ % len(order)
-                for name in order[shift:] + order[:shift]:
-                    result = _window(
-                        trainer, window_steps, None if name is None else writers[name], saves
-                    )
-                    saves += name is not None
-                    for key, value in result.items():
-                        table.add(f"{name or 'idle'}.{key}", value)
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
+                    # Each save window has an idle window beside it (before it in one
+                    # round, after it in the next): their ratio is the pair's.
+                    pair: dict[str, float] = {}
+                    for kind in (name, None) if round_ % 2 else (None, name):
+                        cpu = _cpu_seconds(kind)
+                        writer = None if kind is None else writers[kind]
+                        result = _window(trainer, window_steps, writer, saves)
+                        result["cpu"] = _cpu_seconds(kind) - cpu
+                        saves += kind is not None
+                        for key, value in result.items():
+                            table.add(f"{kind or 'idle'}.{key}", value)
+                        pair[kind or "idle"] = result["tokens_per_s"]
+                    table.add(f"{name}.paired_ratio", pair[name] / pair["idle"])
                 log(f"  round {round_ + 1}/{rounds} done")
         finally:
             for writer in writers.values():
@@ -295,6 +324,7 @@ def run(
     idle = table["idle.tokens_per_s"].median
     ratios = {name: table[f"{name}.tokens_per_s"].median / idle for name in kinds}
     span_ratios = {name: table[f"{name}.span_tokens_per_s"].median / idle for name in kinds}
+    paired = {name: table[f"{name}.paired_ratio"].median for name in kinds}
     return {
         "window_steps": window_steps,
         "tokens_per_step": shape.tokens,
@@ -302,6 +332,7 @@ def run(
         "series": table.as_json(),
         "ratios": ratios,
         "span_ratios": span_ratios,
+        "paired_ratios": paired,
         "table": table,
     }
 
@@ -326,11 +357,14 @@ def report(results: dict[str, Any]) -> list[str]:
                 "" if goal is None else ("  ok" if ratio >= goal else f"  MISSED (goal >= {goal})")
             )
             line += (
-                f"  {ratio:5.3f}x idle{mark}; save blocked {table[f'{name}.blocked'].median:.3f} s,"
+                f"  {ratio:5.3f}x idle{mark} (paired with the idle window beside it:"
+                f" {results['paired_ratios'][name]:5.3f}x); save blocked {table[f'{name}.blocked'].median:.3f} s,"
                 f" durable {table[f'{name}.durable'].median:.2f} s,"
                 f" in flight {table[f'{name}.in_flight_steps'].median:.0f} steps,"
                 f" waited after the window {table[f'{name}.waited'].median:.3f} s;"
-                f" over the save's own span {results['span_ratios'][name]:5.3f}x idle"
+                f" over the save's own span {results['span_ratios'][name]:5.3f}x idle;"
+                f" CPU seconds per window {table[f'{name}.cpu'].median:.2f}"
+                f" (idle {table['idle.cpu'].median:.2f}; the service's included)"
             )
         lines.append(line)
     return lines
