@@ -8,18 +8,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import checkpointd
 from checkpointd.daemon.client.client import status
+from tests.support import zygote
 from tests.support.service import REPO, child_env, reap, running_service, wait_for
 
 MIB = 1024 * 1024
 
 
 def _grow(socket: str, root: str, first: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return zygote.popen(
         [sys.executable, "-m", "tests.support.growing_job", socket, root, str(first), "null"],
         env=child_env(),
         cwd=REPO,
@@ -71,10 +71,9 @@ def test_a_trainer_killed_while_its_save_waits_for_memory_releases_it(tmp_path: 
             assert proc.stdout.readline().strip() == "returned 1"  # held in flight by the gate
             assert proc.stdout.readline().strip() == "saving 2"
             # step 2's 120 MiB cannot fit beside step 1's 40 MiB until step 1 resolves:
-            # its save waits for memory (nothing says when it has started to: a second)
-            time.sleep(1.0)
+            # its save waits for memory, once the segment asked for ahead is given back
+            wait_for(lambda: status(service.socket).bytes_staged < 80 * MIB, 60)
             assert proc.poll() is None
-            assert status(service.socket).bytes_staged < 80 * MIB  # the ahead one freed
             proc.send_signal(signal.SIGKILL)
         finally:
             reap(proc)

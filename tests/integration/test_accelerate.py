@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 
 import checkpointd
 from checkpointd.errors import RestoreMismatchError
-from tests.support import accelerate_job
+from tests.support import accelerate_job, zygote
 from tests.support.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def _ranks(root: Path, out: Path, world: int, **kwargs: object) -> list[dict[str
     cmd = [sys.executable, "-m", "tests.support.accelerate_job", str(root), str(out)]
     cmd += ["--kwargs", json.dumps(kwargs), "--rank"]
     procs = [
-        subprocess.Popen(
+        zygote.popen(
             [*cmd, str(rank), str(world), str(port)],
             cwd=REPO,
             env=env,

@@ -23,7 +23,7 @@ from checkpointd.errors import CheckpointNotFoundError, InvalidArgumentError
 from checkpointd.integrations.lightning import CheckpointdIO, last_checkpoint
 from checkpointd.storage.local import LocalStore
 from tests.conftest import Root
-from tests.support import lightning_job
+from tests.support import lightning_job, zygote
 from tests.support.torch_private import state_dict_metadata
 
 pytestmark = [
@@ -40,7 +40,7 @@ def _job(dirpath: Path | str, out: Path | None = None, **kwargs: Any) -> subproc
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     cmd = [sys.executable, "-m", "tests.support.lightning_job", str(dirpath)]
     cmd += ["--kwargs", json.dumps(kwargs)] + (["--out", str(out)] if out else [])
-    return subprocess.Popen(
+    return zygote.popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 

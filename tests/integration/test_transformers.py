@@ -19,7 +19,7 @@ if not os.environ.get("CI"):  # under CI a missing framework fails the collectio
 import checkpointd
 from checkpointd.errors import InvalidArgumentError, RestoreMismatchError
 from tests.conftest import Root
-from tests.support import transformers_job
+from tests.support import transformers_job, zygote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def _job(output_dir: Path, out: Path | None = None, **kwargs: Any) -> subprocess
     env["HF_HUB_OFFLINE"] = "1"
     cmd = [sys.executable, "-m", "tests.support.transformers_job", str(output_dir)]
     cmd += ["--kwargs", json.dumps(kwargs)] + (["--out", str(out)] if out else [])
-    return subprocess.Popen(
+    return zygote.popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 

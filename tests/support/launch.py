@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.support import zygote
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -63,7 +65,8 @@ def start_ranks(
     env: Mapping[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], list[Any]]:
     """Start ``python -m module *args RANK WORLD PORT`` for every rank (stderr to
-    OUT/stderrR.txt); return the processes and their open log files."""
+    OUT/stderrR.txt), each forked by the session's zygote (``zygote.popen``); return the
+    processes and their open log files."""
     out.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -72,7 +75,7 @@ def start_ranks(
     }
     logs = [(out / f"stderr{rank}.txt").open("wb") for rank in range(world)]
     procs = [
-        subprocess.Popen(
+        zygote.popen(
             [sys.executable, "-m", module, *args, str(rank), str(world), str(port)],
             env=full_env,
             cwd=REPO,
@@ -98,7 +101,7 @@ def run_ranks(
     each rank's OUT/rankR.json (None where it wrote none). The ranks are forked by the
     session's zygote (tests/support/zygote.py), which has paid the imports once; with
     CHECKPOINTD_TEST_ZYGOTE=0 each is a fresh interpreter instead."""
-    if os.environ.get("CHECKPOINTD_TEST_ZYGOTE", "1") != "0":
+    if zygote.enabled():
         _run_forked(module, args, out, world, env=env, timeout=timeout)
         return _reports(out, world)
     procs, logs = start_ranks(module, args, out, world, free_port(), env=env)
@@ -124,8 +127,6 @@ def _run_forked(
     env: Mapping[str, str] | None,
     timeout: float,
 ) -> None:
-    from tests.support import zygote
-
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     full_env = {

@@ -20,6 +20,7 @@ import pytest
 from checkpointd.daemon.client.client import Connection, status
 from checkpointd.daemon.wire.protocol import HeldFile
 from checkpointd.errors import ServiceError
+from tests.support import zygote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,7 +112,7 @@ def start_service(
     if gate is not None:
         command = ["-m", "tests.support.service_jobs", "held-serve", gate, hold, "--"]
     with log.open("ab") as out:
-        proc = subprocess.Popen(
+        proc = zygote.popen(
             [sys.executable, *command, "--socket", socket, *args],
             env=child_env(),
             cwd=cwd,
@@ -170,7 +171,7 @@ def trainer(
     socket: str, root: str, steps: int, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """A trainer subprocess (service_jobs.trainer), its stdout a pipe of lines."""
-    return subprocess.Popen(
+    return zygote.popen(
         [
             sys.executable,
             "-m",
@@ -284,7 +285,7 @@ def rank_processes(
         args = [*before, service.socket, *after, str(rank), str(len(services)), str(port)]
         with (out / f"stderr{rank}.txt").open("wb") as log:  # the child keeps its copy
             procs.append(
-                subprocess.Popen(
+                zygote.popen(
                     [sys.executable, "-m", module, *args],
                     env=child_env(),
                     cwd=REPO,

@@ -1,6 +1,7 @@
 """A rank stand-in for tests/unit/test_zygote.py: ``python -m tests.support.zygote_probe
 OUT CODE`` writes what it was started with to OUT, a line to stderr, and exits with CODE
-(``hang``: sleeps until killed)."""
+(``hang``: sleeps until killed; ``echo``: writes stdin's first line back upper-cased,
+then sleeps until killed)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def main() -> int:
     print("probe on stdout")
     atexit.register(lambda: Path(out + ".atexit").write_text("ran"))
     if code == "hang":
+        time.sleep(600)
+    if code == "echo":  # stdin back on stdout, then wait for a signal
+        print(sys.stdin.readline().strip().upper(), flush=True)
         time.sleep(600)
     return int(code)
 
