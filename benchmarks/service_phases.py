@@ -96,8 +96,8 @@ def _instrument() -> None:
     _timed(client.Connection, "request", kind)
     _timed(segments.Mappings, "map", "map")
     _timed(remote, "describe", "describe")
-    for service in (remote.RemoteService, loop.WriteService):
-        _timed(service, "submit", "on_loop")
+    for backend in (remote.ServiceBackend, loop.InProcessBackend):
+        _timed(backend, "submit", "on_loop")
 
 
 def rank_main(rank: int, port: str, sockets: str, folder: str, *, mb: float, reps: int) -> None:
