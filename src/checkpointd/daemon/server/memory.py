@@ -136,10 +136,12 @@ class SharedMemory:
     async def allocate_now(self, nbytes: int, evict: Callable[[], bool]) -> MappedSegment | None:
         """A segment of ``nbytes`` if it fits now, after freeing spares and what ``evict``
         frees (replicas), never waiting and never evicting anything else; None if it does
-        not fit (a replica that is dropped). ``check``'s errors first."""
+        not fit (a replica that is dropped). ``check``'s errors first. A spare is reused
+        only beyond ``spares_wanted``: those are the next saves' (a fresh segment costs a
+        save its page faults; a replica pays them here, in the background)."""
         self.check(nbytes)
         fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
-        if fitting:
+        if fitting and len(self._spares) > max(1, self.spares_wanted()):
             spare = min(fitting, key=lambda s: s.capacity)
             self._spares.remove(spare)
             segment = spare.reuse(next(self._ids), nbytes)
