@@ -8,7 +8,6 @@ before anything is sent, and the service refuses a relative one.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import checkpointd
 from checkpointd.daemon.client.client import Connection, status
 from checkpointd.daemon.wire import protocol as p
+from tests.support import zygote
 from tests.support.service import auto_socket_env, child_env, running_service
 from tests.support.service_jobs import expected_state
 
@@ -42,7 +42,7 @@ def auto_socket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 def _job(cwd: Path, service: str, root: str, *args: object) -> dict[str, object]:
     """tests.support.root_job run in ``cwd``; its JSON line."""
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "-m", "tests.support.root_job", service, root, *map(str, args)],
         env=child_env(),
         cwd=cwd,
@@ -120,7 +120,7 @@ def test_the_demo_through_a_service_resumes_in_its_own_folder(
     command += ["--steps", "4", "--save-every", "2", "--width", "16"]
     outs = []
     for _ in range(2):
-        done = subprocess.run(
+        done = zygote.run(
             command,
             env=child_env(),
             cwd=here,

@@ -193,9 +193,11 @@ def enabled() -> bool:
 _EXEC_ONLY = ("preexec_fn", "pass_fds", "start_new_session", "process_group", "shell", "user")
 
 
-# Variables read when the interpreter starts or torch is imported (threads, allocators,
-# hash seed): a child whose value differs from the zygote's must start afresh.
-_IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "CUDA", "LD_")
+# Variables read when the interpreter starts or torch is imported (threads, logging, hash
+# seed, libraries): a child whose value differs from the zygote's must start afresh.
+# (Not TORCHINDUCTOR_*: torch sets those in its own environment as it runs; nor CUDA_*:
+# read when CUDA starts, which the zygote never does.)
+_IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "LD_")
 
 
 def _same_start(env: Mapping[str, str]) -> bool:
@@ -219,6 +221,31 @@ def popen(command: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         and _same_start(os.environ if kwargs.get("env") is None else kwargs["env"])
     )
     return (ForkedPopen if forkable else subprocess.Popen)(list(command), **kwargs)
+
+
+def run(
+    command: Sequence[str],
+    *,
+    capture_output: bool = False,
+    timeout: float | None = None,
+    check: bool = False,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run(command, ...)`` with its child from ``popen`` (forked by the zygote
+    where it can be); killed after ``timeout`` seconds (TimeoutExpired, as run raises)."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with popen(command, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            exc.stdout, exc.stderr = proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 class ForkedPopen(subprocess.Popen[Any]):
