@@ -195,3 +195,26 @@ def test_a_replica_that_does_not_fit_the_memory_limit_is_dropped_not_the_own_ste
         assert reply.replicas_sent == 0
         assert reply.replica_failures == {"no memory": 1, "peer refused: no memory": 1}
         assert list(reply.kept.values()) == [[1]]  # its own step stays
+
+
+def test_a_lost_node_restores_resharded_on_2_ranks_from_a_peer_and_storage(
+    saved: tuple[str, Path, list[Service]], tmp_path: Path
+) -> None:
+    root, save, services = saved
+    # The job restarts on 2 ranks: rank 0 on a replacement node (empty), rank 1 on node 0
+    # (never replaced in this module: it holds saved rank 0's share). Rows over 2 ranks
+    # straddle the 3 saved shares: the new rank 0 fetches saved rank 0's share from node
+    # 0 and reads saved rank 1's rows from storage; the new rank 1 is offered node 0's
+    # share (saved rank 0's), of which only files every rank holds alike serve it, and
+    # reads saved ranks 1's and 2's rows from storage. Each file is checked against
+    # storage's manifest, so none that a rank's share holds under another world size is
+    # ever taken for another.
+    fresh = start_service(socket_folder(), *PEERS)
+    _FRESH.append(fresh)
+    sockets = ",".join([fresh.socket, services[0].socket])
+    job("restore", "fsdp2", root, tmp_path / "r", 2, CHECKPOINTD_TEST_SERVICES=sockets)
+    reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["source"] for r in reports] == ["peer+storage", "memory+storage"]
+    assert all(int(str(r["shard_bytes_read"])) > 0 for r in reports)
+    assert status(fresh.socket).replicas_held == 1  # saved rank 0's share, fetched
+    check_restored(save, tmp_path / "r")
