@@ -9,14 +9,17 @@ with ``staging="overlapped"`` and prints ``staged N`` once save N is staged.
 ``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
 ``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
 first storage call; ``sync_dir``: after its files are written, before the manifest)
-waiting for file GATE.
+waiting for file GATE (``peer_push``: every replica pushed to a peer waits instead);
+$CHECKPOINTD_TEST_TUNABLES (JSON) sets tunables in the service first.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -80,9 +83,15 @@ def overlapped_trainer(socket: str, root: str, steps: int) -> None:
 
 
 def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
+    from checkpointd import tunables
     from checkpointd.cli.main import main
     from checkpointd.storage import LocalStore
 
+    for name, value in json.loads(os.environ.get("CHECKPOINTD_TEST_TUNABLES", "{}")).items():
+        setattr(tunables, name, value)
+    if method == "peer_push":
+        held_pushes(gate)
+        sys.exit(main(["serve", *serve_args]))
     real = getattr(LocalStore, method)
 
     def held(self: LocalStore, path: str) -> None:
@@ -92,6 +101,23 @@ def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
 
     setattr(LocalStore, method, held)
     sys.exit(main(["serve", *serve_args]))
+
+
+def held_pushes(gate: str) -> None:
+    """Every replica the service pushes to a peer waits (on the event loop, asleep) until
+    file ``gate`` exists."""
+    import anyio
+
+    from checkpointd.daemon.server.peerlink import PeerPort
+
+    real = PeerPort._push  # noqa: SLF001 - the one step a test holds back
+
+    async def held(self: PeerPort, *args: Any) -> None:
+        while not await anyio.Path(gate).exists():  # noqa: ASYNC110 - a file is the gate
+            await anyio.sleep(0.01)
+        await real(self, *args)
+
+    PeerPort._push = held  # type: ignore[method-assign,assignment]  # noqa: SLF001
 
 
 if __name__ == "__main__":
