@@ -4,8 +4,12 @@ Writes ``results.json`` and PNG plots to ``benchmarks/results/`` (or ``--out``)
 and prints every figure. Sections: large (604 MB and 1.8 GB states against
 torch.save, safetensors, DCP save/async_save, floors, peak RSS), small (20,000
 tensors), training (step slowdown during a background save), s3 (moto),
-scaling (10 MB up to 2 GB; ``--max-gb 4`` for 4 GB, needing ~12 GB of RAM), and
-peers (4 services: a lost node's restore from a peer's memory vs storage).
+scaling (10 MB up to 2 GB; ``--max-gb 4`` for 4 GB, needing ~12 GB of RAM),
+stall (2-rank FSDP2 save() blocked by phase beside a single-process capture of the
+same shards), load (load in a fresh process beside one repeated in a long-lived
+process), window (training throughput over windows that contain a save against
+windows without), and peers (4 services: a lost node's restore from a peer's
+memory vs storage).
 """
 
 from __future__ import annotations
