@@ -303,7 +303,7 @@ class PeerPort:
     def added(self, key: RootKey, held: HeldCheckpoint) -> None:
         """The memory tier now holds ``held``: if a job of this root replicates the rank's
         share, send it to the job's next services, in the background."""
-        job = self.replicas.job_for(key)
+        job = self.replicas.job_for(key, writing=True)
         if job is None or held.rank is None or held.rank not in job.ranks or not job.replicas:
             return
         if self.group is None:

@@ -80,19 +80,30 @@ class Replicas:
         self._warned: set[str] = set()
 
     def join(self, key: RootKey, message: p.JoinPeers) -> PeerJob:
-        """Register (or extend with more local ranks) ``message``'s job for root ``key``."""
+        """Register (or extend with more local ranks) ``message``'s job for root ``key``.
+        A root keeps two jobs at most, the newest that writes (``replicas`` > 0: its
+        shares go out) and the newest that restores: each restore joins a job of its own,
+        and an older one of the same kind is forgotten (its peers have joined the newer)."""
         job = self.jobs.get(message.job)
         if job is None or job.key != message.key or job.root != key:
             job = PeerJob(message.job, message.key, key, message.replicas, message.services)
-            self.jobs[message.job] = job
+            self.jobs.pop(message.job, None)
+            self.jobs[message.job] = job  # the newest last
         job.ranks.update(message.ranks)
         job.replicas = max(job.replicas, message.replicas)
         job.services = message.services
+        for older in [j for j in self.jobs.values() if j is not job and j.root == key]:
+            if (older.replicas > 0) == (job.replicas > 0):
+                del self.jobs[older.job]
+                self._warned.discard(older.job)
         return job
 
-    def job_for(self, key: RootKey) -> PeerJob | None:
-        """The job joined last for root ``key``."""
-        found = [job for job in self.jobs.values() if job.root == key]
+    def job_for(self, key: RootKey, *, writing: bool = False) -> PeerJob | None:
+        """The job joined last for root ``key`` (``writing``: the last whose shares go out,
+        so a restore that joined since does not stop a writer's replicas)."""
+        found = [
+            job for job in self.jobs.values() if job.root == key and (job.replicas or not writing)
+        ]
         return found[-1] if found else None
 
     def targets(self, job: PeerJob) -> list[p.PeerService]:
