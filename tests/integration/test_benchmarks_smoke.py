@@ -45,6 +45,17 @@ def test_benchmark_suite_smoke(tmp_path: Path) -> None:
     for kind in ("inproc", "service"):
         assert window["series"][f"{kind}.durable"]["median"] > 0, kind
         assert window["ratios"][kind] > 0, kind
+    peers = results["peers"]["local disk (cold cache)"]  # a lost node of 4, replicas=1
+    for name, series in peers["series"].items():
+        assert series["median"] > 0, name
+    assert {f"restore.{k}.lost" for k in ("peer", "storage")} <= peers["series"].keys()
+    assert peers["sources"] == {
+        "peer": ["memory", "memory", "memory", "peer"],
+        "storage": ["memory", "memory", "memory", "storage"],
+    }
+    assert peers["exact"] is True
+    assert peers["shares"] > 0
+    assert 0.9 <= peers["bytes_sent_per_save"] / peers["shares"] <= 1.1  # each share once
     assert [r["nbytes"] for r in results["scaling"]["rows"]] == sorted(
         r["nbytes"] for r in results["scaling"]["rows"]
     )
