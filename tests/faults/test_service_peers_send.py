@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import struct
 import time
@@ -117,10 +118,10 @@ def _push(address: str, whole: bool) -> socket.socket:
 
 @pytest.mark.timeout(120)
 def test_a_stalled_sender_or_receiver_of_a_replica_is_cut_off_and_the_service_goes_on(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CHECKPOINTD_TEST_TUNABLES", TUNABLES)
-    gate = socket_folder() + "/open"
+    gate = str(tmp_path / "open")
     Path(gate).touch()  # held-serve for its tunables only: nothing is held back
     with running_service("--peer-address", "127.0.0.1", gate=gate) as service:
         address = _join(service)
@@ -166,13 +167,12 @@ def test_a_stalled_sender_or_receiver_of_a_replica_is_cut_off_and_the_service_go
 
 
 @pytest.mark.timeout(240)
-def test_a_push_to_a_dead_peer_is_counted_and_nothing_else_breaks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = socket_folder() + "/open"  # the services' pushes wait for it
+def test_a_push_to_a_dead_peer_is_counted_and_nothing_else_breaks(tmp_path: Path) -> None:
+    gate = str(tmp_path / "open")  # the services' pushes wait for it
     args = ("--peer-address", "127.0.0.1")
-    first = start_service(socket_folder(), *args, gate=gate, hold="peer_push")
-    second = start_service(socket_folder(), *args, gate=gate, hold="peer_push")
+    folders = [socket_folder(), socket_folder()]
+    first = start_service(folders[0], *args, gate=gate, hold="peer_push")
+    second = start_service(folders[1], *args, gate=gate, hold="peer_push")
     try:
         root = str(tmp_path / "root")
         sockets = f"{first.socket},{second.socket}"
@@ -211,3 +211,5 @@ def test_a_push_to_a_dead_peer_is_counted_and_nothing_else_breaks(
     finally:
         first.stop()
         second.stop()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
