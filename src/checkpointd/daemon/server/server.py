@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
@@ -91,61 +92,66 @@ class Server:
         """Listen until SIGTERM/SIGINT (or ``idle_exit``), then finish saves in flight."""
         folder = prepare_folder(self.socket_path)
         lock = lock_or_fail(self.socket_path)
-        try:
-            remove_stale(self.socket_path)
-            listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
-            os.chmod(folder, 0o700)
-            _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
-            _log.info("shared-memory huge pages: %s", huge_pages_mode())
-            host = peer_host(self.peer_address)
-            peer_listener = None if host is None else await self.peers.listen(host)
-            _log.info("peer port: %s", self.peers.address)
-            async with anyio.create_task_group() as group:
-                self.saves = saves = Saves(self.memory, self.tier, group)
-                self.memory.spares_wanted = lambda: len(saves.writers)
-                with anyio.CancelScope() as listening:
-                    group.start_soon(self._watch, listening)
-                    async with anyio.create_task_group() as ports:
-                        if peer_listener is not None:
-                            ports.start_soon(self.peers.serve, peer_listener, group)
-                        await accept_loop(listener, self._connection, group, self.admission.refused)
-                await listener.aclose()
-                if peer_listener is not None:
-                    await peer_listener.aclose()
-                await self.saves.drain()
-                group.cancel_scope.cancel()
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(self.socket_path)
-            self.tier.clear()
-            self.replicas.clear()
-            self.memory.close()
-            os.close(lock)
+        # SIGTERM/SIGINT are caught before the socket exists: one sent the moment a client
+        # can connect finishes what was accepted instead of killing the process.
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            try:
+                remove_stale(self.socket_path)
+                listener = await anyio.create_unix_listener(self.socket_path, mode=0o600)
+                os.chmod(folder, 0o700)
+                _log.info("serving at %s (pid %d)", self.socket_path, os.getpid())
+                _log.info("shared-memory huge pages: %s", huge_pages_mode())
+                host = peer_host(self.peer_address)
+                peer_listener = None if host is None else await self.peers.listen(host)
+                _log.info("peer port: %s", self.peers.address)
+                async with anyio.create_task_group() as group:
+                    self.saves = saves = Saves(self.memory, self.tier, group)
+                    self.memory.spares_wanted = lambda: len(saves.writers)
+                    with anyio.CancelScope() as listening:
+                        group.start_soon(self._watch, listening, signals)
+                        async with anyio.create_task_group() as ports:
+                            if peer_listener is not None:
+                                ports.start_soon(self.peers.serve, peer_listener, group)
+                            await accept_loop(
+                                listener, self._connection, group, self.admission.refused
+                            )
+                    await listener.aclose()
+                    if peer_listener is not None:
+                        await peer_listener.aclose()
+                    await self.saves.drain()
+                    group.cancel_scope.cancel()
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.socket_path)
+                self.tier.clear()
+                self.replicas.clear()
+                self.memory.close()
+                os.close(lock)
         _log.info("stopped")
 
-    async def _watch(self, listening: anyio.CancelScope) -> None:
-        """End listening at SIGTERM/SIGINT, or when idle for ``idle_exit`` seconds."""
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with anyio.create_task_group() as group:
+    async def _watch(self, listening: anyio.CancelScope, signals: AsyncIterator[int]) -> None:
+        """End listening at SIGTERM/SIGINT (``signals``), or when idle for ``idle_exit``
+        seconds."""
+        async with anyio.create_task_group() as group:
 
-                async def idle() -> None:
-                    while True:
-                        await anyio.sleep(tunables.IDLE_CHECK_SECONDS)
-                        busy = self.clients or self.in_flight
-                        if busy:
-                            self._quiet_since = time.monotonic()
-                        elif self.idle_exit is not None and (
-                            time.monotonic() - self._quiet_since >= self.idle_exit
-                        ):
-                            _log.info("idle for %ss: exiting", self.idle_exit)
-                            break
-                    group.cancel_scope.cancel()
-
-                group.start_soon(idle)
-                async for signum in signals:
-                    _log.info("signal %d: finishing saves in flight, then exiting", signum)
-                    break
+            async def idle() -> None:
+                while True:
+                    await anyio.sleep(tunables.IDLE_CHECK_SECONDS)
+                    busy = self.clients or self.in_flight
+                    if busy:
+                        self._quiet_since = time.monotonic()
+                    elif self.idle_exit is not None and (
+                        time.monotonic() - self._quiet_since >= self.idle_exit
+                    ):
+                        _log.info("idle for %ss: exiting", self.idle_exit)
+                        break
                 group.cancel_scope.cancel()
+
+            group.start_soon(idle)
+            async for signum in signals:
+                _log.info("signal %d: finishing saves in flight, then exiting", signum)
+                break
+            group.cancel_scope.cancel()
         listening.cancel()
 
     async def _connection(self, stream: SocketStream) -> None:
