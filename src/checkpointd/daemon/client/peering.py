@@ -133,12 +133,12 @@ def join_store(
             f"{wait.total_seconds():g}s ({type(exc).__name__}: {exc})"
         ) from None
     services: dict[str, p.PeerService] = {}
-    for r, (service, address) in enumerate(entries):
-        if address is None:
+    for r, (name, reached_at) in enumerate(entries):
+        if reached_at is None:
             continue
-        if service not in services:
-            services[service] = p.PeerService(service, address, [])
-        services[service].ranks.append(r)
+        if name not in services:
+            services[name] = p.PeerService(name, reached_at, [])
+        services[name].ranks.append(r)
     listed = list(services.values())
     if conn is not None and address is not None:
         conn.request(
