@@ -142,25 +142,13 @@ class SharedMemory:
         self.check(nbytes)
         fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
         if fitting and len(self._spares) > max(1, self.spares_wanted()):
-            spare = min(fitting, key=lambda s: s.capacity)
-            self._spares.remove(spare)
-            segment = spare.reuse(next(self._ids), nbytes)
-            self.segments[segment.ident] = segment
-            return segment
+            return self._reuse(min(fitting, key=lambda s: s.capacity), nbytes)
         size = paged(nbytes)
         limit = self.limit
         while (limit is not None and self.held + size > limit) or self._count >= self.max_segments:
             if not (self.drop_spare() or evict()):
                 return None
-        self._creating += size
-        self._making += 1
-        try:
-            segment = await anyio.to_thread.run_sync(MappedSegment, next(self._ids), nbytes)
-        finally:
-            self._creating -= size
-            self._making -= 1
-        self.segments[segment.ident] = segment
-        return segment
+        return await self._create(nbytes)
 
     def drop_spare(self) -> bool:
         """Close the oldest spare; False if there was none."""
@@ -196,18 +184,27 @@ class SharedMemory:
         limit = self.limit
         fitting = [s for s in self._spares if reusable(s.capacity, nbytes)]
         if fitting:
-            spare = min(fitting, key=lambda s: s.capacity)
-            self._spares.remove(spare)
-            segment = spare.reuse(next(self._ids), nbytes)
-            self.segments[segment.ident] = segment
-            return segment
+            return self._reuse(min(fitting, key=lambda s: s.capacity), nbytes)
         size = paged(nbytes)  # a 1-byte segment costs a page and a descriptor
         while (limit is not None and self.held + size > limit) or self._count >= self.max_segments:
             if not (self.drop_spare() or self.evict()):
                 await self.wait()  # a save in flight resolves, a client frees or gives back
-        # Populating a segment takes up to a second per GB (4 KiB pages, or a host that
-        # backs guest memory lazily): on a worker thread, so other clients are served
-        # meanwhile, its bytes counted as held from now on.
+        return await self._create(nbytes)
+
+    def _reuse(self, spare: MappedSegment, nbytes: int) -> MappedSegment:
+        """``spare``, taken from the spares, as a new segment of ``nbytes``."""
+        self._spares.remove(spare)
+        segment = spare.reuse(next(self._ids), nbytes)
+        self.segments[segment.ident] = segment
+        return segment
+
+    async def _create(self, nbytes: int) -> MappedSegment:
+        """A fresh segment of ``nbytes``, counted as held from the start.
+
+        Populating a segment takes up to a second per GB (4 KiB pages, or a host that
+        backs guest memory lazily): on a worker thread, so other clients are served
+        meanwhile."""
+        size = paged(nbytes)
         self._creating += size
         self._making += 1
         try:
