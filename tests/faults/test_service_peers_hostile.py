@@ -14,35 +14,12 @@ import time
 import pytest
 
 from checkpointd import tunables
-from checkpointd.daemon.client.client import connect, status
+from checkpointd.daemon.client.client import status
 from checkpointd.daemon.wire import peers as w
-from checkpointd.daemon.wire import protocol as p
-from tests.support.service import running_service
+from tests.support.service import join_peer_job, running_service
 
 KEY = bytes(range(32))
 JOB = "hostile-test-job"
-
-
-def _join(socket_path: str, root: str) -> str:
-    """Register JOB with KEY at the service (as a trainer would); its peer address."""
-    reply = status(socket_path)
-    assert reply.peer_address is not None
-    conn = connect(socket_path, start=False)
-    try:
-        me = p.PeerService(reply.service, reply.peer_address, [0])
-        conn.request(
-            p.JoinPeers,
-            root=root,
-            storage_options=None,
-            job=JOB,
-            key=KEY,
-            ranks=[0],
-            replicas=0,
-            services=[me],
-        )
-    finally:
-        conn.close()
-    return reply.peer_address
 
 
 def _open(address: str) -> socket.socket:
@@ -91,7 +68,7 @@ def _proven(address: str, key: bytes) -> socket.socket:
 @pytest.mark.timeout(120)
 def test_hostile_peer_connections_get_nothing_and_the_service_goes_on() -> None:
     with running_service("--peer-address", "127.0.0.1") as service:
-        address = _join(service.socket, "/tmp/peers-hostile-root")
+        address = join_peer_job(service.socket, root="/tmp/peers-hostile-root", job=JOB, key=KEY)
         stalled = _open(address)  # a length prefix cut short, then nothing
         stalled.sendall(b"\x00\x00")
         started = time.monotonic()

@@ -28,7 +28,12 @@ from checkpointd.daemon.wire import peers as w
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.format.checksum import crc32c
 from tests.integration.test_sharded import job
-from tests.support.service import Service, running_service, socket_folder, start_service
+from tests.support.service import (
+    join_peer_job,
+    running_service,
+    socket_folder,
+    start_service,
+)
 
 KEY = os.urandom(32)
 JOB = "send-faults-job"
@@ -56,28 +61,6 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 def _read(sock: socket.socket) -> w.PeerMessage:
     (length,) = struct.unpack(">I", _exactly(sock, 4))
     return w.decode_peer(_exactly(sock, length))
-
-
-def _join(service: Service) -> str:
-    """Register JOB with KEY at ``service`` (as a trainer would); its peer address."""
-    reply = status(service.socket)
-    assert reply.peer_address is not None
-    conn = connect(service.socket, start=False)
-    try:
-        me = p.PeerService(reply.service, reply.peer_address, [0])
-        conn.request(
-            p.JoinPeers,
-            root=ROOT,
-            storage_options=None,
-            job=JOB,
-            key=KEY,
-            ranks=[0],
-            replicas=0,
-            services=[me],
-        )
-    finally:
-        conn.close()
-    return reply.peer_address
 
 
 def _proven(address: str, receive_buffer: int | None = None) -> socket.socket:
@@ -124,7 +107,7 @@ def test_a_stalled_sender_or_receiver_of_a_replica_is_cut_off_and_the_service_go
     gate = str(tmp_path / "open")
     Path(gate).touch()  # held-serve for its tunables only: nothing is held back
     with running_service("--peer-address", "127.0.0.1", gate=gate) as service:
-        address = _join(service)
+        address = join_peer_job(service.socket, root=ROOT, job=JOB, key=KEY)
 
         # a peer pushing a replica stops inside its bytes: cut off, nothing held
         started = time.monotonic()

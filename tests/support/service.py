@@ -369,3 +369,29 @@ def damage_held_copy(service_pid: int, socket: str, root: str, step: int) -> str
             memory.write(bytes([byte[0] ^ 0xFF]))
     assert flipped
     return file.path
+
+
+def join_peer_job(socket: str, *, root: str, job: str, key: bytes) -> str:
+    """Register ``job`` with ``key`` for ``root`` at ``socket``'s service, as a trainer's
+    rank 0 would with no other service; its peer address (HOST:PORT)."""
+    from checkpointd.daemon.client.client import connect
+    from checkpointd.daemon.wire import protocol as p
+
+    reply = status(socket)
+    assert reply.peer_address is not None
+    conn = connect(socket, start=False)
+    try:
+        me = p.PeerService(reply.service, reply.peer_address, [0])
+        conn.request(
+            p.JoinPeers,
+            root=root,
+            storage_options=None,
+            job=job,
+            key=key,
+            ranks=[0],
+            replicas=0,
+            services=[me],
+        )
+    finally:
+        conn.close()
+    return reply.peer_address
