@@ -49,6 +49,20 @@ def _reports(out: Path) -> list[dict[str, object]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
+def _save(root: str, out: Path, services: list[Service], kind: str = "fsdp2") -> None:
+    """Step 1 of a ``kind`` job, one rank per service, saved with replicas=1."""
+    sockets = ",".join(s.socket for s in services)
+    job(
+        "save",
+        kind,
+        root,
+        out,
+        len(services),
+        CHECKPOINTD_TEST_SERVICES=sockets,
+        CHECKPOINTD_TEST_REPLICAS="1",
+    )
+
+
 def _restore(root: str, out: Path, services: list[Service]) -> list[dict[str, object]]:
     sockets = ",".join(s.socket for s in services)
     job("restore", "fsdp2", root, out, WORLD, CHECKPOINTD_TEST_SERVICES=sockets)
@@ -75,16 +89,7 @@ def saved(
     base = tmp_path_factory.mktemp("peers")
     root = str(base / "root")
     with services_per_rank(WORLD, args=PEERS) as services:
-        sockets = ",".join(s.socket for s in services)
-        job(
-            "save",
-            "fsdp2",
-            root,
-            base / "save",
-            WORLD,
-            CHECKPOINTD_TEST_SERVICES=sockets,
-            CHECKPOINTD_TEST_REPLICAS="1",
-        )
+        _save(root, base / "save", services)
         _replicated(services, 1)
         nodes = list(services)
         try:
@@ -144,16 +149,7 @@ def test_two_nodes_lost_with_one_replica_reads_storage_only_where_none_is_left(
 def test_a_damaged_replica_is_never_used(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     with services_per_rank(WORLD, args=PEERS) as services:
-        sockets = ",".join(s.socket for s in services)
-        job(
-            "save",
-            "fsdp2",
-            root,
-            tmp_path / "save",
-            WORLD,
-            CHECKPOINTD_TEST_SERVICES=sockets,
-            CHECKPOINTD_TEST_REPLICAS="1",
-        )
+        _save(root, tmp_path / "save", services)
         _replicated(services, 1)
         # node 2 holds rank 1's replica: flip a byte of every segment it has there
         damage_held_copy(services[2].proc.pid, services[2].socket, root, 1)
@@ -175,16 +171,7 @@ def test_a_replica_that_does_not_fit_the_memory_limit_is_dropped_not_the_own_ste
     # room for a node's own share of the step (3 pages of 4 KiB) and not for a replica
     limit = ("--memory-limit", str(5 * 4096))
     with services_per_rank(WORLD, args=[*PEERS, *limit]) as services:
-        sockets = ",".join(s.socket for s in services)
-        job(
-            "save",
-            "fsdp2",
-            root,
-            tmp_path / "save",
-            WORLD,
-            CHECKPOINTD_TEST_SERVICES=sockets,
-            CHECKPOINTD_TEST_REPLICAS="1",
-        )
+        _save(root, tmp_path / "save", services)
         deadline = time.monotonic() + 60
         while not all(status(s.socket).replica_failures for s in services):
             assert time.monotonic() < deadline, [status(s.socket) for s in services]
@@ -223,16 +210,7 @@ def test_a_lost_node_restores_resharded_on_2_ranks_from_a_peer_and_storage(
 def test_a_tp_job_of_2_nodes_restores_the_lost_nodes_rank_from_its_peer(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     with services_per_rank(2, args=PEERS) as services:
-        sockets = ",".join(s.socket for s in services)
-        job(
-            "save",
-            "tp",
-            root,
-            tmp_path / "save",
-            2,
-            CHECKPOINTD_TEST_SERVICES=sockets,
-            CHECKPOINTD_TEST_REPLICAS="1",
-        )
+        _save(root, tmp_path / "save", services, "tp")
         _replicated(services, 1)
         fresh: list[Service] = []
         try:
