@@ -10,12 +10,13 @@ CRC32C) before parsing a byte of it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -27,14 +28,20 @@ from checkpointd.errors import (
     CorruptCheckpointError,
 )
 from checkpointd.format.manifest import CheckpointInfo, Manifest
-from checkpointd.ranks.group import place_in
-from checkpointd.read import bounce, catalog, inplace, todevice
-from checkpointd.read.apply import Prepared, apply_prepared, prepare
+from checkpointd.read import catalog
 from checkpointd.read.catalog import list_checkpoints
 from checkpointd.read.lineage import note_resumed
 from checkpointd.read.reader import StepReader
 from checkpointd.state.tree import map_tree
 from checkpointd.storage import Store, open_store, resolve_root
+
+if TYPE_CHECKING:
+    from checkpointd.read.apply import Prepared
+
+# What only a restore (read/apply.py, inplace.py and what they import: ranks, boxes,
+# landing, state/fit...) or a load onto a device (bounce.py, todevice.py) needs is
+# imported where it is used: a fresh process's first ``load`` pays for importing the
+# modules it runs, not ~30 ms of the restore path's.
 
 __all__ = [
     "Checkpoint",
@@ -162,18 +169,28 @@ def _load_from(
             f"(it has: {', '.join(manifest.components)})"
         )
     reader = StepReader(store, step, manifest, verify=verify)
-    device = None if map_location is None else bounce.resolved(torch.device(map_location))
+    device: torch.device | None = None
+    staging: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if map_location is not None:
+        from checkpointd.read import bounce
+
+        device = bounce.resolved(torch.device(map_location))
+        staging = bounce.Bounce()
     with (
-        bounce.Bounce() as staging,  # closed after the pool has joined its threads
+        staging as held,  # closed after the pool has joined its threads
         concurrent.futures.ThreadPoolExecutor(tunables.READ_THREADS) as pool,
     ):
 
         def read(name: str) -> Any:
             part = (templates or {}).get(name)
-            if device is None or part or bounce.transfer_for(device) is None:
+            if device is None or part:
+                return reader.component(name, None, part)
+            from checkpointd.read import bounce, todevice
+
+            if bounce.transfer_for(device) is None:
                 return reader.component(name, None, part)
             # Tensor files straight to the device through the bounce buffer (todevice.py).
-            on_device = todevice.component_on(reader, name, device, staging)
+            on_device = todevice.component_on(reader, name, device, held)
             return reader.component(name, None, part, preloaded=on_device)
 
         futures = {name: pool.submit(read, name) for name in wanted}
@@ -276,6 +293,8 @@ def restore(
     All or nothing, as ``process_group``'s rank; ``api/restore.py`` adds the service's
     memory tier and documents the contract.
     """
+    from checkpointd.ranks.group import place_in
+
     place = place_in(process_group)
     root = resolve_root(str(root))
     return restore_from(open_store(root, storage_options), targets, step, strict, place=place)
@@ -294,6 +313,9 @@ def restore_from(
     The info's ``source`` is "storage"; ``place`` is this process's (rank, world size) in
     the group that restores.
     """
+    from checkpointd.read import inplace
+    from checkpointd.read.apply import apply_prepared, prepare
+
     try:
 
         def attempt(found: int, manifest: Manifest) -> Prepared:
