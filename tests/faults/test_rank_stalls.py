@@ -57,13 +57,28 @@ def _report(out: Path, rank: int, label: str, *, within: float = 60.0) -> dict[s
     return dict(json.loads(path.read_text()))
 
 
-def _stopped(proc: subprocess.Popen[bytes], *, within: float = 60.0) -> None:
-    """Wait until ``proc`` has stopped itself (state T)."""
+def _states(pid: int) -> list[str]:
+    """The state letter of every thread of process ``pid`` ("T": stopped)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            states.append((task / "stat").read_text().rsplit(") ", 1)[1][0])
+    return states
+
+
+def _stopped(
+    proc: subprocess.Popen[bytes], out: Path, rank: int, *, within: float = 60.0
+) -> dict[str, Any]:
+    """Wait until rank ``rank`` has stopped itself, every thread of it (state T); what it
+    saw at its stopping point (stall_job's ``rank{R}-stopping.json``, written before the
+    stop): the thread that stops is the one that runs the save, so nothing of the save
+    happens between that and the test's SIGCONT."""
     deadline = time.monotonic() + within
-    while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "T":
+    while not all(state == "T" for state in _states(proc.pid)):
         assert proc.poll() is None, "the rank exited instead of stopping"
         assert time.monotonic() < deadline, "the rank never reached its stopping point"
         time.sleep(0.02)
+    return dict(json.loads((out / f"rank{rank}-stopping.json").read_text()))
 
 
 def _exited(procs: list[subprocess.Popen[bytes]], *, within: float = 60.0) -> None:
@@ -78,7 +93,8 @@ def _steps(root: Path) -> list[int]:
 def test_a_stalled_publisher_resumes_to_the_outcome_the_others_decided(tmp_path: Path) -> None:
     root, out = tmp_path / "root", tmp_path / "out"
     with _ranks("publisher_stalled_before_deciding", root, out) as procs:
-        _stopped(procs[0])  # every rank's files are durable, rank 0 holds all the posts
+        # every rank's files are durable, rank 0 holds all the posts; nothing decided
+        assert _stopped(procs[0], out, 0) == {"point": "gathered files", "outcome": None}
         gave_up = _report(out, 1, "middle")
         procs[0].send_signal(signal.SIGCONT)
         resumed = _report(out, 0, "middle")
@@ -100,7 +116,8 @@ def test_a_publisher_stalled_after_the_decision_is_published_by_the_other_rank(
 ) -> None:
     root, out = tmp_path / "root", tmp_path / "out"
     with _ranks("publisher_stalled_after_deciding", root, out) as procs:
-        _stopped(procs[0])  # committed is decided, the manifest not yet published
+        # committed is decided, the manifest not yet published
+        assert _stopped(procs[0], out, 0)["point"] == "publishing"
         stood_in = _report(out, 1, "middle")
         assert _steps(root) == [1, 2]  # rank 1 published the posted manifest
         procs[0].send_signal(signal.SIGCONT)
@@ -117,7 +134,7 @@ def test_a_publisher_stalled_after_the_decision_is_published_by_the_other_rank(
 def test_a_stalled_rank_that_resumes_fails_typed_and_the_job_goes_on(tmp_path: Path) -> None:
     root, out = tmp_path / "root", tmp_path / "out"
     with _ranks("follower_stalled_before_writing", root, out) as procs:
-        _stopped(procs[1])
+        assert _stopped(procs[1], out, 1) == {"point": "writing its share", "outcome": None}
         gave_up = _report(out, 0, "middle")  # its writer stays open: heartbeats go on
         procs[1].send_signal(signal.SIGCONT)
         resumed = _report(out, 1, "middle", within=30)

@@ -6,9 +6,11 @@ does), for the tests of stalled and refusing ranks.
 Saves step 1 with ``keep_last=1`` ("first"), then step 2 ("middle"), during which
 SCENARIO stops one rank with SIGSTOP at a chosen point (the test resumes it with
 SIGCONT) or refuses the save on rank 1; then, once both are past it, step 3 (step 2
-again after a refusal: "last"). After each save it writes OUT/rank{RANK}-{label}.json:
-``ok``, ``error`` (class name), ``message``, ``seconds``; after the middle save rank
-0 also records what is committed and whether the newest checkpoint loads.
+again after a refusal: "last"). Just before it stops, a rank writes
+OUT/rank{RANK}-stopping.json: the point and the attempt's outcome as it is there (null
+while undecided). After each save it writes OUT/rank{RANK}-{label}.json: ``ok``,
+``error`` (class name), ``message``, ``seconds``; after the middle save rank 0 also
+records what is committed and whether the newest checkpoint loads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,11 +38,23 @@ SCENARIOS = (
 )
 
 
-def _stop_self() -> None:
-    os.kill(os.getpid(), signal.SIGSTOP)
+def _stop_here(out: str, rank: int, point: str, attempt: Any = None) -> None:
+    """Stop this process before the calling thread runs one more instruction: record
+    ``point`` (and the attempt's outcome as it is now) first, for the test to check.
+
+    The signal goes to the calling thread (the writer's event loop), which takes it
+    before its system call returns; ``os.kill(os.getpid(), ...)`` would go to the process,
+    whose main thread (waiting in ``result()``) takes it once scheduled, and under load
+    the loop ran on meanwhile: it decided and published the step before the process
+    stopped."""
+    outcome = None if attempt is None else attempt.outcome()
+    seen = {"point": point, "outcome": None if outcome is None else outcome.decode()}
+    with open(os.path.join(out, f"rank{rank}-stopping.json"), "w") as f:
+        json.dump(seen, f)
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
-def _arm(scenario: str, rank: int) -> None:
+def _arm(scenario: str, rank: int, out: str) -> None:
     """Make this rank stop itself at the scenario's point of step 2."""
     if scenario == "publisher_stalled_before_deciding" and rank == 0:
         gather = rankcommit.gather
@@ -47,7 +62,8 @@ def _arm(scenario: str, rank: int) -> None:
         async def gather_then_stop(attempt: Any, kind: str, ranks: list[int], **kw: Any) -> Any:
             got = await gather(attempt, kind, ranks, **kw)
             if kind == "files" and attempt.step == 2:
-                _stop_self()  # every rank's files are durable; nothing decided yet
+                # every rank's files are durable; nothing decided yet
+                _stop_here(out, rank, "gathered files", attempt)
             return got
 
         rankcommit.gather = gather_then_stop  # type: ignore[assignment]
@@ -56,7 +72,8 @@ def _arm(scenario: str, rank: int) -> None:
 
         async def stop_then_publish(store: Any, manifest: Any, limiter: Any) -> None:
             if manifest.step == 2:
-                _stop_self()  # the commit is decided; the manifest not yet published
+                # the commit is decided; the manifest not yet published
+                _stop_here(out, rank, "publishing")
             await publish(store, manifest, limiter)
 
         rankcommit.publish_manifest = stop_then_publish  # type: ignore[assignment]
@@ -65,7 +82,7 @@ def _arm(scenario: str, rank: int) -> None:
 
         async def stop_then_write(store: Any, plan: Any, *args: Any, **kw: Any) -> None:
             if plan.step == 2:
-                _stop_self()
+                _stop_here(out, rank, "writing its share", args[1])
             await write_share(store, plan, *args, **kw)
 
         rankcommit._write_share = stop_then_write  # type: ignore[assignment]  # noqa: SLF001 - fault: stop before the share is written
@@ -112,7 +129,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     state: dict[str, Any] = {"model": model, "extra": {"table": torch.arange(4096.0)}}
-    _arm(scenario, rank)
+    _arm(scenario, rank, out)
     with checkpointd.CheckpointWriter(root, keep_last=1, join_seconds=join_seconds) as writer:
         _save(writer, 1, state, out=out, rank=rank, label="first")
         if scenario == "refused_on_one_rank" and rank == 1:
