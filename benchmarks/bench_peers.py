@@ -75,11 +75,16 @@ def _status(socket: str) -> Any:
 
 
 def _settled(sockets: list[str], saves: int) -> list[Any]:
-    """Wait until every service is idle and has sent ``saves`` replicas."""
+    """Wait until every service is idle and has sent or superseded ``saves`` replicas."""
     deadline = time.monotonic() + 600
     while True:
         replies = [_status(s) for s in sockets]
-        if all(not r.saves_in_flight and r.replicas_sent >= saves for r in replies):
+        if all(
+            not r.saves_in_flight
+            and not r.replicas_pending
+            and r.replicas_sent + r.replicas_superseded >= saves
+            for r in replies
+        ):
             return replies
         if time.monotonic() > deadline:
             raise RuntimeError(f"replicas not sent: {replies}")
@@ -107,6 +112,7 @@ def run_storage(
                 for per_rank in zip(*(s[name] for s in saves), strict=True):
                     table.add(f"{name}.{what}", max(row[i] for row in per_rank))
         table.add("idle.step", max(s["idle_step"] for s in saves))
+        superseded = sum(r.replicas_superseded for r in replies)
         sent = sum(r.replica_bytes_sent for r in replies) / (reps + 2)
         shares = sum(r.bytes_kept for r in replies) / 2  # each node keeps one step per root
         restores: list[dict[str, Any]] = []
@@ -138,6 +144,7 @@ def run_storage(
         return {
             "series": table.as_json(),
             "bytes_sent_per_save": sent,
+            "superseded": superseded,
             "shares": shares,
             "sources": sources,
             "exact": exact,
@@ -170,6 +177,7 @@ def report(label: str, result: dict[str, Any]) -> list[str]:
     lines.append(
         f"  bytes sent per save {sent / 2**20:.1f} MiB; k x shares {shares / 2**20:.1f} MiB ({sent / shares:.2f})"
     )
+    lines.append(f"  replicas superseded by a newer step before they went: {result['superseded']}")
     lines.append(f"  sources {result['sources']}; bit-exact: {result['exact']}")
     return lines
 

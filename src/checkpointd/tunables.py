@@ -372,12 +372,10 @@ PEER_HANDSHAKE_SECONDS = 10.0
 ``Proof``) before it is closed; also the connecting side's wait for the answer."""
 
 PEER_CONNECT_SECONDS = 5.0
-"""How long a service waits for a peer's TCP connect before it counts that peer as
-failed (a node gone, a port refused or filtered)."""
+"""Most a service waits for a peer's TCP connect (a node gone, a port refused)."""
 
 PEER_HANDSHAKE_BYTES = 4096
-"""The largest frame a peer connection may send before it proved its key (a ``Hello``
-and a ``Proof`` are under 200 bytes)."""
+"""The largest frame a peer may send before it proved its key (a ``Hello``: < 200 B)."""
 
 PEER_MIN_BYTES_PER_SECOND = 16 * 2**20
 """The slowest a replica's bytes may arrive (plus ``FRAME_SECONDS``): a slower sender
@@ -385,6 +383,9 @@ PEER_MIN_BYTES_PER_SECOND = 16 * 2**20
 
 PEER_CHUNK_BYTES = 4 * 2**20
 """Bytes per send and receive call of a replica's bytes."""
+
+PEER_IDLE_WAIT_SECONDS = 60.0
+"""Most a push waits for its sender's, then receiver's saves in flight; then it goes."""
 
 PEER_STORE_SECONDS = 120.0
 """How long a rank waits in the job's store for the other ranks' peer addresses (a

@@ -27,7 +27,10 @@ KEY = os.urandom(32)
 JOB = "fetch-faults-job"
 ROOT = "/tmp/peers-fetch-root"
 SHARE = bytes(range(256)) * 64  # 16 KiB: the share's bytes
-FILES = [p.HeldFile("000000000001/a.safetensors", b"head", 0, len(SHARE), crc32c(SHARE))]
+# the CRC32C of the whole file, its head then its bytes in the share (HeldFile's)
+FILES = [
+    p.HeldFile("000000000001/a.safetensors", b"head", 0, len(SHARE), crc32c(SHARE, crc32c(b"head")))
+]
 
 
 def _read(sock: socket.socket) -> w.PeerMessage:

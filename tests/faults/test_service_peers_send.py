@@ -196,3 +196,37 @@ def test_a_push_to_a_dead_peer_is_counted_and_nothing_else_breaks(tmp_path: Path
         second.stop()
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_damaged_on_the_wire_is_checked_on_arrival_and_never_held(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CHECKPOINTD_TEST_TUNABLES", TUNABLES)
+    gate = str(tmp_path / "open")
+    Path(gate).touch()
+    with running_service("--peer-address", "127.0.0.1", gate=gate) as service:
+        address = join_peer_job(service.socket, root=ROOT, job=JOB, key=KEY)
+        # a peer that proves the key offers REF's files with their CRC32Cs, then sends
+        # bytes with one of them flipped (as a bad NIC or a bit flip in its memory would)
+        damaged = bytearray(SHARE)
+        damaged[len(SHARE) // 2] ^= 0x01
+        sock = _proven(address)
+        sock.sendall(w.encode_peer(w.PushReplica(REF, FILES, len(SHARE))))
+        assert _read(sock) == w.PeerDone(True, "send")
+        sock.sendall(damaged)
+        assert _read(sock) == w.PeerDone(False, "damaged on arrival")
+        sock.close()
+        reply = status(service.socket)
+        assert reply.replicas_held == 0
+        assert reply.replica_failures == {"damaged on arrival": 1}
+        assert reply.bytes_staged == 0  # its segment went back
+        assert FILES[0].path in service.log_text()
+
+        # the same share, sent whole, is held
+        whole = _push(address, whole=True)
+        assert _read(whole) == w.PeerDone(True)
+        whole.close()
+        reply = status(service.socket)
+        assert reply.replicas_held == 1
+        assert reply.replica_failures == {"damaged on arrival": 1}

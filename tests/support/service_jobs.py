@@ -9,7 +9,8 @@ with ``staging="overlapped"`` and prints ``staged N`` once save N is staged.
 ``python -m tests.support.service_jobs held-serve GATE METHOD -- SERVE-ARGS`` runs
 ``checkpointd serve`` with every call of ``LocalStore.METHOD`` (``make_dir``: a save's
 first storage call; ``sync_dir``: after its files are written, before the manifest)
-waiting for file GATE (``peer_push``: every replica pushed to a peer waits instead);
+waiting for file GATE (``peer_push``: every replica pushed to a peer waits instead;
+``METHOD:FOLDER``: only the calls of roots under FOLDER wait, the others' go on);
 $CHECKPOINTD_TEST_TUNABLES (JSON) sets tunables in the service first.
 """
 
@@ -92,10 +93,11 @@ def held_serve(gate: str, method: str, serve_args: list[str]) -> None:
     if method == "peer_push":
         held_pushes(gate)
         sys.exit(main(["serve", *serve_args]))
+    method, _, under = method.partition(":")
     real = getattr(LocalStore, method)
 
     def held(self: LocalStore, path: str) -> None:
-        while not os.path.exists(gate):
+        while self.root.startswith(under) and not os.path.exists(gate):
             time.sleep(0.01)
         real(self, path)
 

@@ -76,7 +76,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if reply.peer_address is not None:
         print(
             f"peers at {reply.peer_address}: {reply.replicas_held} replica(s) held, "
-            f"{reply.replicas_sent} sent ({size_text(reply.replica_bytes_sent)})"
+            f"{reply.replicas_sent} sent ({size_text(reply.replica_bytes_sent)}), "
+            f"{reply.replicas_pending} pending, {reply.replicas_superseded} superseded"
         )
     if reply.replica_failures:
         failures = sorted(reply.replica_failures.items())

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import time
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
@@ -31,12 +31,12 @@ from checkpointd.daemon.server.admission import Admission, accept_loop
 from checkpointd.daemon.server.conn import Conn
 from checkpointd.daemon.server.memory import SharedMemory
 from checkpointd.daemon.server.memtier import HeldCheckpoint, MemoryTier, RootKey
+from checkpointd.daemon.server.replica_bytes import deadline, lowest, mismatched, move
 from checkpointd.daemon.server.replicas import PeerJob, Replicas, own_share, ref_of, ring
 from checkpointd.daemon.wire import peers as w
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.bounds import FrameBudget
 from checkpointd.daemon.wire.frames import read_async
-from checkpointd.daemon.wire.shm import MappedSegment
 from checkpointd.errors import CheckpointError
 
 __all__ = ["PEER_PID", "PeerPort", "peer_host"]
@@ -77,46 +77,14 @@ class _Link:
     async def send(self, message: w.PeerMessage) -> None:
         await self.stream.send(w.encode_peer(message))
 
-    async def done(self) -> w.PeerDone:
-        """The other side's ``PeerDone``; ProtocolError for anything else."""
-        with anyio.fail_after(tunables.FRAME_SECONDS):
+    async def done(self, seconds: float | None = None) -> w.PeerDone:
+        """The other side's ``PeerDone`` within ``seconds`` (default ``FRAME_SECONDS``);
+        ProtocolError for anything else."""
+        with anyio.fail_after(tunables.FRAME_SECONDS if seconds is None else seconds):
             reply = await self.read(tunables.MAX_REQUEST_BYTES)
         if not isinstance(reply, w.PeerDone):
             raise p.ProtocolError(f"a peer answered {type(reply).__name__}, not PeerDone")
         return reply
-
-
-def _deadline(size: int) -> float:
-    return tunables.FRAME_SECONDS + size / tunables.PEER_MIN_BYTES_PER_SECOND
-
-
-def _raw(stream: ByteStream, segment: MappedSegment, deadline: float, sending: bool) -> None:
-    """Send ``segment``'s bytes on ``stream``'s socket, or receive that many into it, by
-    ``deadline`` (time.monotonic; TimeoutError after it); ProtocolError if the other side
-    closes first. Worker thread, while the event loop leaves the socket alone."""
-    wrapped = stream.extra(SocketAttribute.raw_socket)  # asyncio's: no recv_into
-    # a socket object of our own on a duplicate of its fd (the same connection, still
-    # non-blocking: its mode is the connection's, left as it is)
-    sock = socket.fromfd(wrapped.fileno(), wrapped.family, wrapped.type)
-    size, chunk = segment.size, tunables.PEER_CHUNK_BYTES
-    poll = select.poll()
-    poll.register(sock, select.POLLOUT if sending else select.POLLIN)
-    done = 0
-    with sock, memoryview(segment.map) as view:
-        while done < size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"a replica's {size} bytes did not pass within the time allowed")
-            if not poll.poll(left * 1000):
-                continue
-            part = view[done : min(size, done + chunk)]
-            try:
-                moved = sock.send(part) if sending else sock.recv_into(part)
-            except (BlockingIOError, InterruptedError):
-                continue
-            if moved == 0:
-                raise p.ProtocolError("the peer closed the connection inside a replica's bytes")
-            done += moved
 
 
 class PeerPort:
@@ -138,6 +106,16 @@ class PeerPort:
         self.address: str | None = None
         """HOST:PORT once listening."""
         self.group: TaskGroup | None = None
+        self.busy: Callable[[], int] = lambda: 0
+        """How many of this node's saves are in flight (staged or being written): a
+        replica's transfer waits for none (``until_idle``); ``memory.notify`` wakes it."""
+
+    async def until_idle(self) -> None:
+        """Until this node has no save in flight, or ``PEER_IDLE_WAIT_SECONDS`` passed
+        (a node that saves back to back still sends its replicas). Event loop."""
+        with anyio.move_on_after(tunables.PEER_IDLE_WAIT_SECONDS):
+            while self.busy():
+                await self.memory.wait()  # notified as a save resolves or memory frees
 
     async def listen(self, host: str) -> SocketListener:
         """Listen on an ephemeral port of ``host``; ``address`` says where."""
@@ -207,6 +185,7 @@ class PeerPort:
                 if not job.names(message.ref):
                     await link.send(w.PeerDone(False, "not this job's root"))
                     continue
+                await self.until_idle()  # this node's saves first
                 held = await self._receive(link, message)
                 if held is not None:
                     self.replicas.add(message.ref, held)
@@ -223,23 +202,29 @@ class PeerPort:
 
     # -- a share's bytes ------------------------------------------------------------
 
-    async def _send(self, link: _Link, ref: w.ReplicaRef, held: HeldCheckpoint) -> bool:
+    async def _send(
+        self, link: _Link, ref: w.ReplicaRef, held: HeldCheckpoint, *, push: bool = False
+    ) -> bool:
         """Offer ``held`` and send its bytes if the other side takes it; True once held
-        there."""
+        there. ``push``: the other side may first wait for its own saves to finish."""
         segment = held.segment
         self.memory.pin(segment)
         try:
             await link.send(w.PushReplica(ref, held.files, segment.size))
-            reply = await link.done()
+            wait = tunables.PEER_IDLE_WAIT_SECONDS if push else 0.0
+            reply = await link.done(tunables.FRAME_SECONDS + wait)
             if not reply.ok:
                 self.replicas.failures[f"peer refused: {reply.why}"] += 1
                 return False
             # the other side read the offer before it answered: nothing of ours is left in
             # the transport, and the segment goes from its mapping to the socket directly
-            await anyio.to_thread.run_sync(
-                _raw, link.stream, segment, time.monotonic() + _deadline(segment.size), True
-            )
-            return (await link.done()).ok
+            until = time.monotonic() + deadline(segment.size)
+            await anyio.to_thread.run_sync(lowest, move, link.stream, segment, until, True)
+            # the other side checks every file's CRC32C before it answers
+            reply = await link.done(tunables.FRAME_SECONDS + deadline(segment.size))
+            if not reply.ok:
+                self.replicas.failures[f"peer refused: {reply.why}"] += 1
+            return reply.ok
         finally:
             self.memory.unpin(segment)
 
@@ -265,10 +250,22 @@ class PeerPort:
             if link.buffer:  # the other side sends the bytes only once told to
                 raise p.ProtocolError("a peer sent bytes before it was asked for them")
             # read from the socket into the mapping directly, off the event loop (the
-            # transport reads only inside a receive: none runs meanwhile)
-            await anyio.to_thread.run_sync(
-                _raw, link.stream, segment, time.monotonic() + _deadline(size), False
-            )
+            # transport reads only inside a receive: none runs meanwhile), then check it
+            until = time.monotonic() + deadline(size)
+            await anyio.to_thread.run_sync(lowest, move, link.stream, segment, until, False)
+            damaged = await anyio.to_thread.run_sync(lowest, mismatched, segment, offer.files)
+            if damaged is not None:
+                self.replicas.failures["damaged on arrival"] += 1
+                _log.warning(
+                    "dropped the replica of rank %d step %d of %s: %s does not match its CRC32C",
+                    offer.ref.rank,
+                    offer.ref.step,
+                    offer.ref.root,
+                    damaged,
+                )
+                await link.send(w.PeerDone(False, "damaged on arrival"))
+                self.memory.release(segment)
+                return None
             await link.send(w.PeerDone(True))
         except BaseException:
             self.memory.release(segment)
@@ -302,7 +299,8 @@ class PeerPort:
 
     def added(self, key: RootKey, held: HeldCheckpoint) -> None:
         """The memory tier now holds ``held``: if a job of this root replicates the rank's
-        share, send it to the job's next services, in the background."""
+        share, send it to the job's next services, in the background, once this node has
+        no save in flight (``until_idle``)."""
         job = self.replicas.job_for(key, writing=True)
         if job is None or held.rank is None or held.rank not in job.ranks or not job.replicas:
             return
@@ -310,16 +308,26 @@ class PeerPort:
             return
         ref = ref_of(key, held.step, held.rank)
         for target in self.replicas.targets(job):
-            self.group.start_soon(self._push, job, target.address, ref, held)
+            self.replicas.pending += 1  # at once: status counts it from here
+            self.group.start_soon(self._push, job, target.address, key, ref, held)
+
+    def _superseded(self, key: RootKey, held: HeldCheckpoint) -> bool:
+        """True if this node holds a newer step of ``held``'s rank of root ``key`` (only
+        the newest matters to a restore: its push goes instead)."""
+        return any(h.rank == held.rank and h.step > held.step for h in self.tier.roots.get(key, []))
 
     async def _push(
-        self, job: PeerJob, address: str, ref: w.ReplicaRef, held: HeldCheckpoint
+        self, job: PeerJob, address: str, key: RootKey, ref: w.ReplicaRef, held: HeldCheckpoint
     ) -> None:
         self.memory.pin(held.segment)  # at once: the tier may let it go before this runs
         try:
+            await self.until_idle()  # this node's saves first
+            if self._superseded(key, held):
+                self.replicas.superseded += 1
+                return
             link = await self._connect(job, address)
             try:
-                if await self._send(link, ref, held):
+                if await self._send(link, ref, held, push=True):
                     self.replicas.sent += 1
                     self.replicas.bytes_sent += held.segment.size
             finally:
@@ -330,6 +338,7 @@ class PeerPort:
                 "replica of rank %d step %d to %s failed: %r", ref.rank, ref.step, address, exc
             )
         finally:
+            self.replicas.pending -= 1
             self.memory.unpin(held.segment)
 
     async def fetch(self, job: PeerJob, ref: w.ReplicaRef) -> HeldCheckpoint | None:

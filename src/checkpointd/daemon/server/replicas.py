@@ -75,6 +75,10 @@ class Replicas:
         self.jobs: dict[str, PeerJob] = {}
         self.sent = 0
         self.bytes_sent = 0
+        self.pending = 0
+        """Pushes not yet over (waiting for this node's saves, or under way)."""
+        self.superseded = 0
+        """Pushes dropped before they started: a newer step of the same rank was held."""
         self.fetched = 0
         self.failures: collections.Counter[str] = collections.Counter()
         self._warned: set[str] = set()

@@ -80,6 +80,8 @@ class Server:
         self.frames = FrameBudget(tunables.FRAME_BUFFER_BYTES)
         self.peers = PeerPort(self.memory, self.tier, self.replicas, self.admission, self.frames)
         self.tier.added = self.peers.added
+        self.peers.busy = lambda: self.in_flight + self.staging
+        self.conns: set[Conn] = set()
         self._quiet_since = time.monotonic()
 
     # -- the process ------------------------------------------------------------
@@ -87,6 +89,11 @@ class Server:
     @property
     def in_flight(self) -> int:
         return 0 if self.saves is None else self.saves.in_flight
+
+    @property
+    def staging(self) -> int:
+        """Segments clients hold and have not submitted yet (a save being captured)."""
+        return sum(len(conn.owned) for conn in self.conns)
 
     async def run(self) -> None:
         """Listen until SIGTERM/SIGINT (or ``idle_exit``), then finish saves in flight."""
@@ -181,6 +188,7 @@ class Server:
             await stream.aclose()
             return
         self.clients += 1
+        self.conns.add(conn)
         try:
             async with anyio.create_task_group() as conn.tasks:
                 await self._serve(conn)
@@ -196,6 +204,7 @@ class Server:
             assert self.saves is not None
             self.saves.client_gone(conn)
             self.clients -= 1
+            self.conns.discard(conn)
             self.admission.leave(conn)
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -323,6 +332,8 @@ class Server:
             peer_address=self.peers.address,
             replicas_held=self.replicas.count,
             replicas_sent=self.replicas.sent,
+            replicas_pending=self.replicas.pending,
+            replicas_superseded=self.replicas.superseded,
             replica_bytes_sent=self.replicas.bytes_sent,
             replica_failures=dict(self.replicas.failures),
         )

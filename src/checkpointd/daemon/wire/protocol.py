@@ -292,6 +292,11 @@ class StatusReply(_Msg):
     """Shares of other nodes' ranks held (replicas)."""
     replicas_sent: int = 0
     replica_bytes_sent: int = 0
+    replicas_pending: int = 0
+    """Replicas to send not yet over: waiting for this node's saves in flight, or under way."""
+    replicas_superseded: int = 0
+    """Replicas never sent because a newer step of the same rank was held before they
+    started (only the newest matters to a restore)."""
     replica_failures: dict[str, int] = msgspec.field(default_factory=dict)
     """Replicas not sent, not held or not fetched, by why."""
 
