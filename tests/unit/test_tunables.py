@@ -31,7 +31,7 @@ FACTS: dict[tuple[str, str], str] = {
     ("format/checksum.py", "_POLY"): "the CRC32C polynomial",
     ("daemon/server/peerlink.py", "PEER_PID"): "the admission identity of peer connections",
     ("daemon/wire/peers.py", "NONCE_BYTES"): "the peer handshake's nonce size: its protocol",
-    ("daemon/server/replica_bytes.py", "LOWEST_NICENESS"): "Linux's lowest CPU priority",
+    ("daemon/server/priority.py", "LOWEST_NICENESS"): "Linux's lowest CPU priority",
     ("format/layout.py", "STEP_DIGITS"): "step folder names: the format",
     ("format/layout.py", "MAX_STEP"): "follows from STEP_DIGITS",
     ("format/layout.py", "DIRECT_ALIGN"): "O_DIRECT's alignment, written into files",

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import anyio
 
 from checkpointd import tunables
+from checkpointd.daemon.server.priority import lowest
 from checkpointd.daemon.wire.protocol import ProtocolError
 from checkpointd.daemon.wire.shm import MappedSegment, paged, reusable
 from checkpointd.errors import ServiceMemoryError
@@ -148,7 +149,7 @@ class SharedMemory:
         while (limit is not None and self.held + size > limit) or self._count >= self.max_segments:
             if not (self.drop_spare() or evict()):
                 return None
-        return await self._create(nbytes)
+        return await self._create(nbytes, background=True)
 
     def drop_spare(self) -> bool:
         """Close the oldest spare; False if there was none."""
@@ -198,17 +199,21 @@ class SharedMemory:
         self.segments[segment.ident] = segment
         return segment
 
-    async def _create(self, nbytes: int) -> MappedSegment:
+    async def _create(self, nbytes: int, *, background: bool = False) -> MappedSegment:
         """A fresh segment of ``nbytes``, counted as held from the start.
 
         Populating a segment takes up to a second per GB (4 KiB pages, or a host that
         backs guest memory lazily): on a worker thread, so other clients are served
-        meanwhile."""
+        meanwhile; ``background`` (a replica's), on one at the lowest CPU priority."""
         size = paged(nbytes)
         self._creating += size
         self._making += 1
         try:
-            segment = await anyio.to_thread.run_sync(MappedSegment, next(self._ids), nbytes)
+            ident = next(self._ids)
+            if background:
+                segment = await anyio.to_thread.run_sync(lowest, MappedSegment, ident, nbytes)
+            else:
+                segment = await anyio.to_thread.run_sync(MappedSegment, ident, nbytes)
         finally:
             self._creating -= size
             self._making -= 1

@@ -31,7 +31,8 @@ from checkpointd.daemon.server.admission import Admission, accept_loop
 from checkpointd.daemon.server.conn import Conn
 from checkpointd.daemon.server.memory import SharedMemory
 from checkpointd.daemon.server.memtier import HeldCheckpoint, MemoryTier, RootKey
-from checkpointd.daemon.server.replica_bytes import deadline, lowest, mismatched, move
+from checkpointd.daemon.server.priority import lowest
+from checkpointd.daemon.server.replica_bytes import deadline, mismatched, move
 from checkpointd.daemon.server.replicas import PeerJob, Replicas, own_share, ref_of, ring
 from checkpointd.daemon.wire import peers as w
 from checkpointd.daemon.wire import protocol as p

@@ -9,7 +9,8 @@ starts it: so the threads started later get them too, and the ones already there
 must be set one by one (importing numpy starts OpenBLAS's worker thread, which kept
 niceness 0 and no I/O class while only the calling thread was lowered). Either may
 be refused (a container without the right, another kernel): it is logged, never
-fatal. No torch here.
+fatal. ``lowest`` runs background work (a replica's pages and bytes) on a thread of its
+own at the lowest CPU priority, below the service's saves. No torch here.
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ import errno
 import logging
 import os
 import platform
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["io_priority", "lower_priority"]
+__all__ = ["io_priority", "lower_priority", "lowest"]
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}
 _IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "arm64": 31}
 _WHO_PROCESS = 1
 _CLASS_BEST_EFFORT, _CLASS_IDLE = 2, 3
 _CLASS_SHIFT = 13
+LOWEST_NICENESS = 19
+_T = TypeVar("_T")
 
 _log = logging.getLogger(__name__)
 
@@ -88,3 +94,31 @@ def lower_priority(niceness: int, io: str) -> None:
                     raise
     except OSError as exc:
         _log.warning("could not lower the service's I/O priority: %s", exc)
+
+
+def lowest(func: Callable[..., _T], *args: object) -> _T:
+    """``func(*args)`` on a new thread at the lowest CPU priority (background work: a
+    replica's bytes and their pages); its result, or its exception raised here. A
+    thread of its own because a thread's niceness can be raised but not lowered back
+    without privileges: the service's worker threads are never the ones lowered.
+    Blocking (call it through ``anyio.to_thread``)."""
+    outcome: list[tuple[bool, object]] = []
+
+    def body() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICENESS)
+        except OSError as exc:  # not Linux, or refused: the transfer goes on regardless
+            _log.debug("a background thread keeps its priority: %s", exc)
+        try:
+            outcome.append((True, func(*args)))
+        except BaseException as exc:  # handed to the caller, raised there
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=body, name="checkpointd-background", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise value
+    return value  # type: ignore[return-value]
