@@ -17,13 +17,16 @@ repetition; it prints medians with [min..max] and the ratios the goals are on:
   trainer does), then alternates ``torch.load`` and ``checkpointd.load`` without a
   ``gc.collect()`` between (issue 35: each load faulted its whole size in again);
 - the memcpy floor: the same bytes copied into tensors already touched;
+- with ``--before SRC``: ``checkpointd.load`` in a fresh process run from another
+  source tree too (a worktree of an older commit), in the same rotation as the other
+  fresh rows, for a before/after comparison in one run;
 - with ``--ranks-mb``: FSDP2 + AdamW on 2 and 4 ranks, and 3 ranks restoring what 2
   saved, ``checkpointd.restore`` vs ``dcp.load`` + ``set_state_dict`` (bench_ranks);
 - with ``--s3-mb``: restore from S3 (moto) vs s3fs reading the same objects in turn,
   and a small checkpoint's restore (restore_s3.py).
 
 Run: ``python -m benchmarks.bench_restore [--mb 705] [--reps 5] [--dir /tmp]
-[--ranks-mb 64] [--s3-mb 256]`` (``--smoke``: a tiny model, 2 reps). Writes
+[--ranks-mb 64] [--s3-mb 256] [--before SRC]`` (``--smoke``: a tiny model, 2 reps). Writes
 ``benchmarks/results/restore.json`` (or ``--json``).
 """
 
@@ -156,38 +159,52 @@ def child(kind: str, where: Path, d: int) -> dict[str, Any]:
     return {"seconds": seconds, "extra_rss": float(max(0, peak - before))}
 
 
-def _fresh(kind: str, where: Path, d: int) -> dict[str, Any]:
+def _fresh(kind: str, where: Path, d: int, src: str | None = None) -> dict[str, Any]:
+    """``child(kind, where, d)`` in a fresh process: checkpointd from this process's path,
+    or from source tree ``src`` (then this repository's benchmarks behind it)."""
+    path = sys.path if src is None else [src, str(Path(__file__).resolve().parents[1])]
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_restore", "--child", kind, str(where), str(d)],
         capture_output=True,
         text=True,
         check=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
 def compare(
-    d: int, folder: Path, *, reps: int, fresh_reps: int, log: Callable[[str], None] = print
+    d: int,
+    folder: Path,
+    *,
+    reps: int,
+    fresh_reps: int,
+    before: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> tuple[Table, int]:
-    """Every row, interleaved per repetition; the series and the state's bytes."""
+    """Every row, interleaved per repetition; the series and the state's bytes. ``before``:
+    a source tree whose ``checkpointd.load`` joins the fresh rows."""
     table = Table()
     path, root = folder / "model.pt", folder / "ckpt"
     nbytes = _in_one_process(table, d, path, root, reps=reps, log=log)
     gc.collect()
-    kinds = [
-        ("torch", path),
-        ("checkpointd", root),
-        ("torch.load", path),
-        ("checkpointd.load", root),
+    kinds: list[tuple[str, Path, str | None]] = [
+        ("torch", path, None),
+        ("checkpointd", root, None),
+        ("torch.load", path, None),
+        ("checkpointd.load", root, None),
     ]
+    if before is not None:
+        kinds.append(("checkpointd.load", root, before))
     for rep in range(fresh_reps):
-        for kind, where in kinds[rep % 4 :] + kinds[: rep % 4]:
-            result = _fresh(kind, where, d)
-            table.add(f"{kind}.fresh", result["seconds"])
-            table.add(f"{kind}.fresh_extra_rss", result["extra_rss"])
+        shift = rep % len(kinds)
+        for kind, where, src in kinds[shift:] + kinds[:shift]:
+            result = _fresh(kind, where, d, src)
+            name = kind if src is None else f"{kind}.before"
+            table.add(f"{name}.fresh", result["seconds"])
+            table.add(f"{name}.fresh_extra_rss", result["extra_rss"])
         log(f"  fresh rep {rep + 1}/{fresh_reps} done")
     lived = _fresh(f"long-lived:{reps}", folder, d)
     for name in ("torch.load", "checkpointd.load"):
@@ -252,6 +269,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 ROWS = (
     ("load", "checkpointd.load", "torch.load", 0.7),
     ("load, fresh process", "checkpointd.load.fresh", "torch.load.fresh", 0.7),
+    ("load, fresh process, --before", "checkpointd.load.before.fresh", "torch.load.fresh", 0.7),
     ("load, long-lived process", "checkpointd.load.long_lived", "torch.load.long_lived", 1.0),
     ("restore, warm", "checkpointd.read.restore", "torch.restore", 0.8),
     ("restore, fresh process", "checkpointd.fresh", "torch.fresh", 0.6),
@@ -271,13 +289,20 @@ def report(table: Table, nbytes: int) -> list[str]:
         "checkpointd.fresh": "checkpointd.restore fresh",
         "torch.load.fresh": "torch.load fresh",
         "checkpointd.load.fresh": "checkpointd.load fresh",
+        "checkpointd.load.before.fresh": "checkpointd.load fresh, --before",
         "torch.load.long_lived": "torch.load long-lived",
         "checkpointd.load.long_lived": "checkpointd.load long-lived",
     }
     for key, label in labels.items():
         if key in table.series:
             lines.append(f"  {label:<36} {fmt_seconds(table[key])}")
-    for kind in ("torch", "checkpointd", "torch.load", "checkpointd.load"):
+    for kind in (
+        "torch",
+        "checkpointd",
+        "torch.load",
+        "checkpointd.load",
+        "checkpointd.load.before",
+    ):
         key = f"{kind}.fresh_extra_rss"
         if key in table.series:
             lines.append(
@@ -348,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also the S3 rows (restore from moto vs s3fs reading the same objects in "
         "turn): model MB (0: skip, the default; benchmarks/restore_s3.py)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="SRC",
+        help="also checkpointd.load in a fresh process run from this source tree (e.g. "
+        "a worktree of an older commit's src), interleaved with the other fresh rows",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "PATH", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -361,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(folder)
     print(describe(info))
     with work_dir(folder, "restore") as work:
-        table, nbytes = compare(d, work, reps=args.reps, fresh_reps=args.fresh_reps or args.reps)
+        table, nbytes = compare(
+            d, work, reps=args.reps, fresh_reps=args.fresh_reps or args.reps, before=args.before
+        )
     lines = report(table, nbytes)
     ranks: dict[str, Any] | None = None
     if args.ranks_mb:

@@ -243,3 +243,22 @@ def test_scale_model_a_manifest_too_large_fails_the_save_on_every_rank(
     assert "MAX_MANIFEST_BYTES" in row["follower_error"]
     assert "MAX_MANIFEST_BYTES" in row["refused"]
     assert not list((tmp_path).rglob("manifest.json"))
+
+
+@pytest.mark.timeout(240)
+def test_restore_benchmark_runs_a_before_tree_beside_this_one(tmp_path: Path) -> None:
+    """``bench_restore --before SRC``: the fresh-process load run from SRC joins the rotation
+    (here SRC is this tree's own src, so both rows load the same code)."""
+    from benchmarks import bench_restore
+
+    out = tmp_path / "restore.json"
+    src = Path(bench_restore.__file__).resolve().parents[1] / "src"
+    args = ["--smoke", "--dir", str(tmp_path), "--json", str(out), "--before", str(src)]
+    assert bench_restore.main(args) == 0
+    results = json.loads(out.read_text())
+    before = results["series"]["checkpointd.load.before.fresh"]["values"]
+    assert len(before) == 2
+    assert all(seconds > 0 for seconds in before), before
+    assert len(results["series"]["checkpointd.load.fresh"]["values"]) == 2
+    assert results["ratios"]["load, fresh process, --before"] > 0
+    assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
