@@ -1,6 +1,7 @@
 """A replica waits for its nodes' saves (issue 34): while a node has a save in flight, no
 replica leaves it nor arrives in it, and ``status`` counts those waiting as pending; once
-the save is durable they go, and both nodes hold each other's share.
+the save is durable they go, and both nodes hold each other's share. A push still
+waiting when a newer step of its rank is held is dropped (superseded), never sent.
 
 Two real services on 127.0.0.1, a real 2-rank FSDP2 job with ``replicas=1`` (rank 0 on
 the first, rank 1 on the second), and a trainer of another root on the first service
@@ -46,38 +47,43 @@ def test_replicas_wait_while_a_node_has_a_save_in_flight_and_go_after(tmp_path: 
         _until("the held save in flight", lambda: status(first.socket).saves_in_flight == 1)
 
         root = str(tmp_path / "root")
-        job(
-            "save",
-            "fsdp2",
-            root,
-            tmp_path / "save",
-            2,
-            CHECKPOINTD_TEST_SERVICES=f"{first.socket},{second.socket}",
-            CHECKPOINTD_TEST_REPLICAS="1",
-        )  # step 1 committed: each node holds its own share
+        for step in (1, 2):
+            job(
+                "save",
+                "fsdp2",
+                root,
+                tmp_path / f"save{step}",
+                2,
+                CHECKPOINTD_TEST_SERVICES=f"{first.socket},{second.socket}",
+                CHECKPOINTD_TEST_REPLICAS="1",
+                CHECKPOINTD_TEST_STEP=str(step),
+            )  # committed: each node holds its own share (the newest step only)
         ours, theirs = status(first.socket), status(second.socket)
-        assert ours.kept == theirs.kept == {root: [1]}
-        assert ours.replicas_pending == theirs.replicas_pending == 1
+        assert ours.kept == theirs.kept == {root: [2]}
+        assert ours.replicas_pending == theirs.replicas_pending == 2
         # the second node is idle: its push is under way, and waits for the first to take it
         time.sleep(2)
         ours, theirs = status(first.socket), status(second.socket)
         assert ours.saves_in_flight == 1
-        assert (ours.replicas_sent, ours.replicas_held, ours.replicas_pending) == (0, 0, 1)
-        assert (theirs.replicas_sent, theirs.replicas_held, theirs.replicas_pending) == (0, 0, 1)
+        assert (ours.replicas_sent, ours.replicas_held, ours.replicas_pending) == (0, 0, 2)
+        assert (theirs.replicas_sent, theirs.replicas_held, theirs.replicas_pending) == (0, 0, 2)
         assert ours.replica_failures == theirs.replica_failures == {}
 
-        gate.touch()  # the held save commits: the first node is idle, both replicas go
+        gate.touch()  # the held save commits: the first node is idle, the replicas go
         _until(
-            "both replicas delivered",
-            lambda: all(
-                (r.replicas_sent, r.replicas_held, r.replicas_pending) == (1, 1, 0)
-                for r in (status(first.socket), status(second.socket))
+            "the replicas delivered",
+            lambda: (
+                status(first.socket).replicas_pending == status(second.socket).replicas_pending == 0
             ),
         )
         assert other.wait(60) == 0
-        for reply in (status(first.socket), status(second.socket)):
-            assert reply.replica_failures == {}
-            assert reply.replicas_superseded == 0
+        ours, theirs = status(first.socket), status(second.socket)
+        # the first node's step-1 push had not started: step 2 superseded it; the second
+        # node's pushes were both under way (waiting for the first node to take them)
+        assert (ours.replicas_sent, ours.replicas_superseded) == (1, 1)
+        assert (theirs.replicas_sent, theirs.replicas_superseded) == (2, 0)
+        assert ours.replicas_held == theirs.replicas_held == 1  # step 2's, the newest
+        assert ours.replica_failures == theirs.replica_failures == {}
     finally:
         if other is not None:
             reap(other)

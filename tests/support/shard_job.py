@@ -25,7 +25,8 @@ as tcp:// init hosts it), CHECKPOINTD_TEST_STAGING (the writer's ``staging``; wi
 ``overlapped`` the copy is held until ``save()`` returned, reported as
 ``staged_at_return``, then the training step after the save runs while it copies),
 CHECKPOINTD_TEST_ASYNC=1 (save with an AsyncCheckpointWriter under asyncio),
-CHECKPOINTD_TEST_REPLICAS (the writer's ``replicas``, with services). Reports also
+CHECKPOINTD_TEST_REPLICAS (the writer's ``replicas``, with services),
+CHECKPOINTD_TEST_STEP (the step ``save`` saves, default 1). Reports also
 carry ``shard_bytes_read``: distinct bytes this rank read from shard files on storage
 (local or fsspec; not those the memory tier served), ``indexes_read``: the shard index
 files it read, and for a restore ``source``: its ``RestoreInfo.source``.
@@ -217,7 +218,7 @@ def save(
     options: dict[str, Any] | None,
     result: dict[str, Any],
 ) -> None:
-    """Save step 1 with the writer the environment asks for, then train one step: with
+    """Save step 1 (or $CHECKPOINTD_TEST_STEP) with the writer the environment asks for, then train one step: with
     overlapped staging while the save is still copying (the step waits for its copy),
     otherwise once it committed. Records ``blocked`` (seconds ``save()`` blocked)."""
     kwargs: dict[str, Any] = {
@@ -228,12 +229,13 @@ def save(
         "replicas": int(os.environ.get("CHECKPOINTD_TEST_REPLICAS", "0")),
     }
     state = {"model": model, "optimizer": optimizer, "progress": {"epoch": 3}}
+    step = int(os.environ.get("CHECKPOINTD_TEST_STEP", "1"))
     if os.environ.get("CHECKPOINTD_TEST_ASYNC") == "1":
 
         async def save_async() -> None:
             async with checkpointd.AsyncCheckpointWriter(root, **kwargs) as writer:
                 started = time.perf_counter()
-                handle = await writer.save(1, state)
+                handle = await writer.save(step, state)
                 result["blocked"] = time.perf_counter() - started
                 await handle.wait()
             train(model, optimizer, 1)
@@ -243,7 +245,7 @@ def save(
     gate = _hold_copies() if kwargs["staging"] == "overlapped" else None
     with checkpointd.CheckpointWriter(root, **kwargs) as writer:
         started = time.perf_counter()
-        handle = writer.save(1, state)
+        handle = writer.save(step, state)
         result["blocked"] = time.perf_counter() - started
         if gate is not None:
             result["staged_at_return"] = handle.staged()
