@@ -152,9 +152,11 @@ def test_memory_limit_evicts_kept_copies_then_holds_saves_back(tmp_path: Path) -
 
             thread = threading.Thread(target=second)
             thread.start()
-            assert not returned.wait(1.5)  # no memory until step 1 resolves
-            assert status(service.socket).saves_in_flight == 1
-            gate.touch()
+            try:
+                assert not returned.wait(1.5)  # no memory until step 1 resolves
+                assert status(service.socket).saves_in_flight == 1
+            finally:  # a failed check must not leave step 1 held (close would wait on it)
+                gate.touch()
             thread.join(30)
             assert returned.is_set()
             writer.wait(60)
