@@ -175,22 +175,24 @@ def test_status_without_a_service_is_one_clear_line() -> None:
     assert len(done.stderr.splitlines()) == 1
 
 
-def test_the_service_runs_below_the_trainers_priority(service: Service) -> None:
+def test_the_service_runs_below_the_trainers_priority() -> None:
     # serve's defaults: niceness +10 (from the test's own) and best-effort I/O level 7
-    assert os.getpriority(os.PRIO_PROCESS, service.proc.pid) == os.nice(0) + 10
-    assert io_priority(service.proc.pid) == (2, 7)
+    with running_service(as_deployed=True) as service:
+        assert os.getpriority(os.PRIO_PROCESS, service.proc.pid) == os.nice(0) + 10
+        assert io_priority(service.proc.pid) == (2, 7)
     with running_service("--niceness", "0", "--io-priority", "none") as unchanged:
         assert os.getpriority(os.PRIO_PROCESS, unchanged.proc.pid) == os.nice(0)
         assert io_priority(unchanged.proc.pid) == io_priority()
 
 
-def test_every_thread_of_the_service_runs_below_the_trainers_priority(
-    service: Service, tmp_path: Path
-) -> None:
+def test_every_thread_of_the_service_runs_below_the_trainers_priority(tmp_path: Path) -> None:
     # Niceness and I/O class are per thread on Linux: the ones the service had before it
     # lowered its priority (numpy's OpenBLAS worker) must be lowered too, and the ones it
     # starts for a save inherit it.
-    with checkpointd.CheckpointWriter(str(tmp_path / "root"), service=service.socket) as writer:
+    with (
+        running_service(as_deployed=True) as service,
+        checkpointd.CheckpointWriter(str(tmp_path / "root"), service=service.socket) as writer,
+    ):
         writer.save(1, {"model": {"w": torch.randn(1024)}}).result(60)
         threads = [int(tid) for tid in os.listdir(f"/proc/{service.proc.pid}/task")]
         assert len(threads) > 2, threads

@@ -102,10 +102,16 @@ def start_service(
     gate: str | None = None,
     hold: str = "make_dir",
     cwd: Path = REPO,
+    as_deployed: bool = False,
 ) -> Service:
     """``checkpointd serve --socket FOLDER/sock *args`` run in ``cwd``, once it answers.
     With ``gate``, every save's writes wait until that file exists
-    (service_jobs.held_serve)."""
+    (service_jobs.held_serve). Unless ``as_deployed`` or ``args`` set one, the service
+    runs at the test's own niceness rather than serve's default +10: with the suite's
+    workers busy, a +10 service gets a tenth of a core and its tests crawl toward their
+    timeout (the priority tests ask for the defaults)."""
+    if not as_deployed and "--niceness" not in args:
+        args = (*args, "--niceness", "0")
     socket = os.path.join(folder, "sock")
     log = Path(folder) / "serve.log"
     command = ["-m", "checkpointd", "serve"]
@@ -131,13 +137,19 @@ def start_service(
 
 @contextmanager
 def running_service(
-    *args: str, gate: str | None = None, hold: str = "make_dir", cwd: Path = REPO
+    *args: str,
+    gate: str | None = None,
+    hold: str = "make_dir",
+    cwd: Path = REPO,
+    as_deployed: bool = False,
 ) -> Iterator[Service]:
-    """A service in a fresh socket folder for the block; stopped (and the folder
-    removed) after."""
+    """A service in a fresh socket folder for the block (``start_service``'s arguments);
+    stopped (and the folder removed) after."""
     folder = socket_folder()
     try:
-        running = start_service(folder, *args, gate=gate, hold=hold, cwd=cwd)
+        running = start_service(
+            folder, *args, gate=gate, hold=hold, cwd=cwd, as_deployed=as_deployed
+        )
         try:
             yield running
         finally:
