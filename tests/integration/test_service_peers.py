@@ -189,19 +189,20 @@ def test_a_lost_node_restores_resharded_on_2_ranks_from_a_peer_and_storage(
 ) -> None:
     root, save, services = saved
     # The job restarts on 2 ranks: rank 0 on a replacement node (empty), rank 1 on node 0
-    # (never replaced in this module: it holds saved rank 0's share). Rows over 2 ranks
-    # straddle the 3 saved shares: the new rank 0 fetches saved rank 0's share from node
-    # 0 and reads saved rank 1's rows from storage; the new rank 1 is offered node 0's
-    # share (saved rank 0's), of which only files every rank holds alike serve it, and
-    # reads saved ranks 1's and 2's rows from storage. Each file is checked against
-    # storage's manifest, so none that a rank's share holds under another world size is
-    # ever taken for another.
+    # (never replaced in this module: it holds saved rank 0's share and, as a replica,
+    # saved rank 2's). Rows over 2 ranks straddle the 3 saved shares: the new rank 0
+    # fetches saved rank 0's share from node 0 and reads saved rank 1's rows from
+    # storage (no service of this job holds that share); the new rank 1 is offered node
+    # 0's own share (saved rank 0's), of which only files every rank holds alike serve
+    # it, reads saved rank 2's rows from node 0's replica and saved rank 1's from
+    # storage. Each file is checked against storage's manifest, so none that a rank's
+    # share holds under another world size is ever taken for another.
     fresh = start_service(socket_folder(), *PEERS)
     _FRESH.append(fresh)
     sockets = ",".join([fresh.socket, services[0].socket])
     job("restore", "fsdp2", root, tmp_path / "r", 2, CHECKPOINTD_TEST_SERVICES=sockets)
     reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["source"] for r in reports] == ["peer+storage", "memory+storage"]
+    assert [r["source"] for r in reports] == ["peer+storage", "memory+peer+storage"]
     assert all(int(str(r["shard_bytes_read"])) > 0 for r in reports)
     assert status(fresh.socket).replicas_held == 1  # saved rank 0's share, fetched
     check_restored(save, tmp_path / "r")
@@ -221,10 +222,77 @@ def test_a_tp_job_of_2_nodes_restores_the_lost_nodes_rank_from_its_peer(tmp_path
             for service in fresh:
                 service.stop()
     reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(2)]
-    # each TP rank's own share lacks a few bytes it reads back (80 and 40 here, the same
-    # with no node lost: parts of the other rank's files), from storage; the rest of the
-    # lost node's rank comes from the peer's copy, as the live one's from its memory
-    assert [r["source"] for r in reports] == ["peer+storage", "memory+storage"]
-    read = [int(str(r["shard_bytes_read"])) for r in reports]
-    assert all(0 < n < 1024 for n in read), read
+    # each TP rank reads back a few bytes of the other rank's files (80 and 40 here): the
+    # lost node's rank takes both shares from node 1 (its own, then the other rank's),
+    # the live one those of the other rank from the replica it holds: none from storage
+    assert [r["source"] for r in reports] == ["peer", "memory+peer"]
+    assert [r["shard_bytes_read"] for r in reports] == [0, 0]
+    check_restored(tmp_path / "save", tmp_path / "r")
+
+
+def test_a_lost_node_of_2_restores_resharded_on_3_ranks_every_share_from_memory_or_a_peer(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "root")
+    with services_per_rank(2, args=PEERS) as services:
+        # 4 FSDP2 ranks on 2 nodes (ranks 0, 1 on node A; 2, 3 on node B), replicas=1:
+        # each node also holds the other node's 2 shares
+        a, b = (s.socket for s in services)
+        job(
+            "save",
+            "fsdp2",
+            root,
+            tmp_path / "save",
+            4,
+            CHECKPOINTD_TEST_SERVICES=",".join([a, a, b, b]),
+            CHECKPOINTD_TEST_REPLICAS="1",
+        )
+        _replicated(services, 2)
+        fresh: list[Service] = []
+        try:
+            _lose(services, 0, fresh)
+            # restarted on 3 ranks: new ranks 0, 1 on A's empty replacement, 2 on B.
+            # Rows over 3 ranks straddle the 4 saved shares: new rank 0 reads saved ranks
+            # 0's and 1's, new rank 1 saved 1's and 2's (fetched from B as it reads them),
+            # new rank 2 saved 2's and 3's (B's own); no shard byte from storage, and
+            # saved rank 3's share, which no rank on A reads, never crosses the network
+            sockets = ",".join([services[0].socket, services[0].socket, b])
+            job("restore", "fsdp2", root, tmp_path / "r", 3, CHECKPOINTD_TEST_SERVICES=sockets)
+            replies = [status(s.socket) for s in services]
+        finally:
+            for service in fresh:
+                service.stop()
+    reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["shard_bytes_read"] for r in reports] == [0, 0, 0]
+    assert [r["source"] for r in reports] == ["peer", "peer", "memory"]
+    assert replies[0].replicas_held == 3  # saved ranks 0, 1 and 2's shares, fetched
+    assert replies[0].replica_failures == {}
+    assert replies[1].replicas_held == 2  # A's 2 shares, pushed at the save
+    check_restored(tmp_path / "save", tmp_path / "r")
+
+
+def test_a_lost_node_of_an_hsdp_job_restores_its_own_and_its_replicas_shards_from_peers(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "root")
+    with services_per_rank(4, args=PEERS) as services:
+        # HSDP on a (2, 2) mesh: ranks 0 and 2 hold the same shards, as do 1 and 3, and
+        # each pair shares the writing, so every rank restores files its partner wrote
+        _save(root, tmp_path / "save", services, "hsdp")
+        _replicated(services, 1)
+        fresh: list[Service] = []
+        try:
+            _lose(services, 1, fresh)
+            sockets = ",".join(s.socket for s in services)
+            job("restore", "hsdp", root, tmp_path / "r", 4, CHECKPOINTD_TEST_SERVICES=sockets)
+            replies = [status(s.socket) for s in services]
+        finally:
+            for service in fresh:
+                service.stop()
+    reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(4)]
+    # the lost rank's own share and its partner's from peers, every other rank's own
+    # from memory and its partner's from the node that holds it: none from storage
+    assert [r["shard_bytes_read"] for r in reports] == [0, 0, 0, 0]
+    assert [r["source"] for r in reports] == ["memory+peer", "peer", "memory+peer", "memory+peer"]
+    assert all(r.replica_failures == {} for r in replies), replies
     check_restored(tmp_path / "save", tmp_path / "r")

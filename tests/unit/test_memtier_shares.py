@@ -126,3 +126,45 @@ def test_an_overlay_reads_held_files_from_memory_and_the_rest_from_storage(
     finally:
         storage.close()
     mapped.close()
+
+
+def test_an_overlay_asks_for_a_further_copy_once_per_file_none_holds(tmp_path: Path) -> None:
+    folder = "000000000001"
+    (tmp_path / folder).mkdir()
+    for name in ("own.bin", "peer.bin", "stored.bin"):
+        (tmp_path / folder / name).write_bytes(b"storage copy")
+    mapped = mmap.mmap(-1, 4096)
+    mapped[:4] = b"mine"
+    mapped[4:8] = b"near"
+    storage = open_store(str(tmp_path))
+    asked: list[str] = []
+    try:
+        own = MemoryStore.over(
+            storage.url, folder, b"m", [HeldFile("own.bin", b"", 0, 4, 0)], mapped
+        )
+        peer = MemoryStore.over(
+            storage.url, folder, b"m", [HeldFile("peer.bin", b"", 4, 4, 0)], mapped
+        )
+
+        further = {f"{folder}/peer.bin": (peer, "peer")}
+
+        def more(path: str) -> tuple[MemoryStore, str] | None:
+            asked.append(path)
+            return further.get(path)
+
+        overlay = OverlayStore(storage, own, "memory", more)
+        assert overlay.read_bytes(f"{folder}/own.bin") == b"mine"
+        assert asked == []  # the first copy holds it
+        assert overlay.source == "memory"
+        assert overlay.size(f"{folder}/peer.bin") == 4
+        assert overlay.read_bytes(f"{folder}/peer.bin") == b"near"
+        assert overlay.source == "memory+peer"
+        assert overlay.read_bytes(f"{folder}/stored.bin") == b"storage copy"
+        assert overlay.read_bytes(f"{folder}/stored.bin") == b"storage copy"
+        assert asked == [f"{folder}/peer.bin", f"{folder}/stored.bin"]  # once each
+        assert overlay.source == "memory+peer+storage"
+        further.clear()
+        del own, peer, overlay
+    finally:
+        storage.close()
+    mapped.close()

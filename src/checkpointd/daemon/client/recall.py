@@ -7,7 +7,11 @@ many-rank one: server/held.py), and what it holds is served file by file, only
 where storage's manifest lists the held file's path, size and CRC32C
 (``servable``): the restore reads those from memory and every other file from
 storage (``OverlayStore``), so a step replaced or re-committed by someone else is
-served from memory only where its bytes are the held ones.
+served from memory only where its bytes are the held ones. A file this rank's share
+does not hold (another saved rank's, when the job reshards) is looked up as the
+restore first reads it: the share of the rank storage's manifest says wrote it, from
+this node's memory, else from a peer of the job that holds it (the service fetches
+it), else storage; a share is asked for once, and only if a file of it is read.
 
 Restore's own reader checks sizes and every byte's CRC32C against
 storage's manifest before a byte is used. Anything else (no service, not held, a
@@ -18,13 +22,15 @@ copy; read/restore.py restores from it (so it does not import restore back).
 from __future__ import annotations
 
 import contextlib
+import mmap
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from checkpointd.daemon.client.client import Connection, connect
 from checkpointd.daemon.client.memstore import MemoryStore
-from checkpointd.daemon.client.overlay import OverlayStore
+from checkpointd.daemon.client.overlay import Copy, OverlayStore
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.shm import map_fd
 from checkpointd.errors import CheckpointError, ServiceError, StorageError
@@ -40,8 +46,8 @@ __all__ = ["Recalled", "held_copy", "servable"]
 class Recalled:
     """A held copy to restore ``step`` from: read it through ``store`` (closing it
     closes no storage: held_copy does); ``source()`` once read says what was used
-    ("memory", "memory+storage" or "storage", "peer" for "memory" where the copy came
-    from another node's service: ``RestoreInfo.source``)."""
+    (``OverlayStore.source``: "memory", "peer" where a copy came from another node's
+    service, "storage", or several joined by "+": ``RestoreInfo.source``)."""
 
     store: Store
     step: int
@@ -108,33 +114,95 @@ class _Ask:
 
 @contextlib.contextmanager
 def _lent(conn: Connection, storage: Store, ask: _Ask) -> Iterator[Recalled | None]:
-    """``held_copy`` once storage named the step: ask for it and map it read-only."""
-    try:
-        options = None if ask.storage_options is None else dict(ask.storage_options)
-        reply, fd = conn.request(
-            p.Lookup, root=ask.root, storage_options=options, step=ask.step, rank=ask.rank
-        )
-    except ServiceError:
-        yield None
-        return
-    if not isinstance(reply, p.Held) or fd is None:
-        yield None
-        return
-    mapped = map_fd(fd, reply.size, writable=False, populate=False)
+    """``held_copy`` once storage named the step: ask for it and map it read-only; the
+    other saved ranks' shares are asked for as the restore reads their files."""
     folder = step_dirname(ask.step)
     try:
-        try:
-            listed = decode_manifest(ask.manifest, where=f"{storage.url}/{folder}")
-        except CheckpointError:
-            listed = None  # restore from storage reports it
-        files = [] if listed is None else servable(listed, reply.files)
-        if not files:
-            yield None
-        else:
-            held = MemoryStore.over(storage.url, folder, ask.manifest, files, mapped)
-            overlay = OverlayStore(storage, held)
-            kind = reply.source  # "memory", or "peer": a copy another node's service sent
-            yield Recalled(overlay, ask.step, lambda: overlay.source.replace("memory", kind))
+        listed = decode_manifest(ask.manifest, where=f"{storage.url}/{folder}")
+    except CheckpointError:
+        yield None  # restore from storage reports it
+        return
+    shares = _Shares(conn, storage.url, ask, listed)
+    try:
+        first = shares.lookup(ask.rank, exact=False)
+        if first is None and len({f.rank for f in listed.files}) <= 1:
+            yield None  # one rank's save, not held: storage
+            return
+        if first is None:  # other saved ranks' shares may still be held
+            first = (MemoryStore(storage.url, {}), "memory")
+        overlay = OverlayStore(storage, *first, more=shares.more)
+        yield Recalled(overlay, ask.step, lambda: overlay.source)
     finally:
-        with contextlib.suppress(BufferError):
-            mapped.close()
+        shares.close()
+
+
+class _Shares:
+    """The held shares of one step a restoring rank has been lent (each mapped until
+    ``close``), and which saved rank's share holds which file: a file of one rank's own
+    (its shards, shard index, per-rank components) that no share lent so far serves is
+    looked up once, in the share of the rank storage's manifest says wrote it. A file
+    every rank holds alike (a tree, a replicated tensor) is served by the shares already
+    lent, else storage: never a whole share fetched for it. Under OverlayStore's lock."""
+
+    def __init__(self, conn: Connection, url: str, ask: _Ask, listed: Manifest) -> None:
+        self._conn = conn
+        self._url = url
+        self._ask = ask
+        self._listed = listed
+        self._folder = step_dirname(ask.step)
+        self._rank_of = {
+            f"{self._folder}/{f.path}": f.rank for f in listed.files if _owned(f.path, f.rank)
+        }
+        self._asked: set[int] = set()
+        self._mapped: list[mmap.mmap] = []
+
+    def lookup(self, rank: int, *, exact: bool) -> Copy | None:
+        """Saved rank ``rank``'s share (``exact``; else the node's copy for that rank, as
+        ``Lookup`` says) from this node's memory, or a peer's through it, with the files
+        storage's manifest lists alike; None if not held (or none such)."""
+        ask = self._ask
+        options = None if ask.storage_options is None else dict(ask.storage_options)
+        try:
+            reply, fd = self._conn.request(
+                p.Lookup,
+                root=ask.root,
+                storage_options=options,
+                step=ask.step,
+                rank=rank,
+                exact=exact,
+            )
+        except ServiceError:
+            return None
+        if exact or not isinstance(reply, p.Held):
+            self._asked.add(rank)
+        if not isinstance(reply, p.Held) or fd is None:
+            return None
+        mapped = map_fd(fd, reply.size, writable=False, populate=False)
+        self._mapped.append(mapped)
+        if reply.rank is not None:
+            self._asked.add(reply.rank)
+        files = servable(self._listed, reply.files)
+        if not files:
+            return None
+        memory = MemoryStore.over(self._url, self._folder, ask.manifest, files, mapped)
+        return memory, reply.source  # "memory", or "peer": another node's service's copy
+
+    def more(self, path: str) -> Copy | None:
+        """The share of the saved rank that wrote ``path``, if not asked for yet."""
+        rank = self._rank_of.get(path)
+        if rank is None or rank in self._asked:
+            return None
+        return self.lookup(rank, exact=True)
+
+    def close(self) -> None:
+        """Unmap every share (the service lends them until the connection ends)."""
+        for mapped in self._mapped:
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+
+def _owned(path: str, rank: int) -> bool:
+    """True if ``path`` is named as only ``rank``'s share holds it (layout's names: shards
+    ``C.T.rankR.safetensors``, index ``shards.T.rankR.json``, per-rank components'
+    ``C-rankR.…`` files). A replicated file named so is only looked up needlessly."""
+    return re.search(rf"[.-]rank{rank}\.", path.rsplit("/", 1)[-1]) is not None

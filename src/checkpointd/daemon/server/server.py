@@ -296,6 +296,8 @@ class Server:
         """Lend the held step (read-only) to ``conn`` until it ends, or NotHeld."""
         key = root_key(message.root, message.storage_options)
         held, source = self.tier.find(key, message.step, message.rank), "memory"
+        if held is not None and message.exact and held.rank not in (None, message.rank):
+            held = None  # another local rank's share: not the one asked for
         if held is None:  # a replica another node sent, or fetched from a peer now
             ref, source = ref_of(key, message.step, message.rank), "peer"
             held = self.replicas.find(ref)
@@ -308,7 +310,8 @@ class Server:
         try:
             self.memory.lend(held.segment)
             conn.borrowed.append(held.segment)
-            reply = p.Held(message.id, held.step, held.files, held.segment.size, source)
+            size = held.segment.size
+            reply = p.Held(message.id, held.step, held.files, size, source, held.rank)
             await conn.send(reply, [fd])
         finally:
             os.close(fd)

@@ -175,13 +175,15 @@ class Submit(_Msg):
 class Lookup(_Msg):
     """Does the service hold ``step`` of ``root`` in memory? ``rank``: the asking
     process's rank in the group that restores (where several local ranks of a many-rank
-    save are held, that rank's copy is lent first)."""
+    save are held, that rank's copy is lent first). ``exact``: only saved rank ``rank``'s
+    share (or a single process's save), never another rank's in its place."""
 
     id: int
     root: str
     storage_options: dict[str, Any] | None
     step: int
     rank: int = 0
+    exact: bool = False
 
 
 class Status(_Msg):
@@ -262,6 +264,8 @@ class Held(_Msg):
     size: int
     source: str = "memory"
     """"peer": the copy is a replica another node's service sent (wire/peers.py)."""
+    rank: int | None = None
+    """The saved rank whose share this is; None: a single process's save (every file)."""
 
 
 class NotHeld(_Msg):
