@@ -6,6 +6,8 @@ service in its place; the restarted rank's service fetches its share from the pe
 holds it (not one shard byte read from storage), and the restore is bit for bit the
 saved state. Two nodes lost with ``replicas=1``: the rank whose replica died with the
 other node reads storage, the other its peer's copy. A damaged replica is never used.
+Resharded (4 ranks on 2 nodes restored on 3), HSDP and TP restores take each other saved
+rank's shards from the node or peer that holds that share, fetched only where read.
 """
 
 from __future__ import annotations

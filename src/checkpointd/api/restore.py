@@ -53,9 +53,11 @@ def restore(
     lands over it, so the targets end as storage's checkpoint; only if storage's copy
     fails its checks too do tensors keep a mix (the error's note says so). A rank of
     a many-rank job reads the files its node's service holds of that step (its share, each listed
-    by storage's manifest with the same size and CRC32C) from memory and the others
-    from storage: ``info.source`` "memory" if every file came from memory,
-    "memory+storage" if some did, else "storage".
+    by storage's manifest with the same size and CRC32C) from memory; another saved
+    rank's files (resharding) from that rank's share, in its node's memory or a peer's
+    (docs/peers.md); the rest from storage: ``info.source`` "memory" if every file
+    came from memory, "memory+storage" if some did, else "storage" ("peer" for a copy
+    another node's service held; several joined by "+": "memory+peer+storage").
 
     ``process_group`` says which rank's per-rank components (``PerRank``, ``RNGState``)
     this process gets: None the default group's (this process alone without

@@ -262,8 +262,9 @@ class RestoreInfo(CheckpointInfo, frozen=True):
     Attributes:
         source: "storage", "memory" where the checkpoint service's memory tier served
             every file read, or "memory+storage" where it served some (a rank of a
-            many-rank job; ``restore(..., service=...)``); "peer" (or "peer+storage")
-            where the copy was another node's, fetched by this node's service.
+            many-rank job; ``restore(..., service=...)``); "peer" where the copy was
+            another node's, fetched by this node's service; several joined by "+" in
+            the order memory, peer, storage ("memory+peer", "peer+storage"...).
         restored: Components loaded into targets.
         skipped_targets: With ``strict=False``, targets the checkpoint has no component
             for, or whose per-rank components another world size saved (left unchanged).
