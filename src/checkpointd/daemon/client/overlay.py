@@ -61,7 +61,7 @@ class OverlayStore(ReadOnlyStore):
         """What the files read so far came from: "memory" or "peer" (all of them from
         one), "storage" (none from memory), or those used joined by "+" in that order
         (``MIXED_SOURCE``, "memory+peer", "peer+storage"...). The manifest does not count
-        (the client read it from storage before, and a held copy serves those bytes)."""
+        (the client read it from storage before; a held copy serves those very bytes)."""
         used = [kind for kind in _KINDS if self._read[kind]]
         if used in ([], ["storage"]):
             return "storage"
@@ -91,12 +91,9 @@ class OverlayStore(ReadOnlyStore):
     def _pick(self, path: str) -> Store:
         """The store that serves ``path``, noted as read from there."""
         copy = self._copy(path)
-        if copy is None:
-            self._read["storage"].add(path)
-            return self._storage
         if not path.endswith(f"/{MANIFEST_NAME}"):
-            self._read[copy[1]].add(path)
-        return copy[0]
+            self._read["storage" if copy is None else copy[1]].add(path)
+        return self._storage if copy is None else copy[0]
 
     def size(self, path: str) -> int:
         copy = self._copy(path)
