@@ -55,6 +55,10 @@ LOOP = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGTERM)
                 second.wait(5)
             return original(self, path, size)
+        # Before the loop: nothing opens a file until the preemption save. (Patched when
+        # the loop saw ``preempted``, a SIGTERM between that check and save_if_preempted
+        # saved unpatched: one signal, seen under load.)
+        LocalStore.open_file = open_file
     writer = checkpointd.CheckpointWriter(root)
     writer.watch_preemption((signal.SIGTERM,))
     state = {"model": {"w": torch.zeros(1 << 16)}, "meta": {"step": 0}}
@@ -64,8 +68,6 @@ LOOP = textwrap.dedent(
         step += 1
         state["model"]["w"].fill_(float(step))
         state["meta"]["step"] = step
-        if writer.preempted and mode == "second":
-            LocalStore.open_file = open_file
         if writer.save_if_preempted(step, state):
             print(f"saved {step} signals {len(seen)}", flush=True)
             writer.close()
