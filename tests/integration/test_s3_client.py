@@ -228,6 +228,9 @@ def test_a_part_always_altered_fails_the_save_and_leaves_nothing(
     moto_s3.create_bucket(bucket)
     root = f"s3://{bucket}/run"
     options = moto_s3.storage_options(front.endpoint)
+    # checkpointd's own tries only: botocore's (5, with its backoff, under each of them)
+    # added ~35 s to the same outcome
+    options["config_kwargs"] = {"retries": {"max_attempts": 1}}
     with (
         checkpointd.CheckpointWriter(root, storage_options=options) as writer,
         pytest.raises(StorageError),
