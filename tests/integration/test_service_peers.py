@@ -12,6 +12,7 @@ rank's shards from the node or peer that holds that share, fetched only where re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -77,6 +78,19 @@ def _lose(services: list[Service], node: int, fresh: list[Service]) -> None:
     services[node].kill()
     services[node] = start_service(socket_folder(), *PEERS)
     fresh.append(services[node])
+
+
+@contextlib.contextmanager
+def _lost(services: list[Service], *nodes: int) -> Iterator[None]:
+    """Nodes ``nodes`` lost (``_lose``) for the block; their replacements stopped after."""
+    fresh: list[Service] = []
+    try:
+        for node in nodes:
+            _lose(services, node, fresh)
+        yield
+    finally:
+        for service in fresh:
+            service.stop()
 
 
 _FRESH: list[Service] = []  # the module's replacement services, stopped with ``saved``
@@ -155,13 +169,8 @@ def test_a_damaged_replica_is_never_used(tmp_path: Path) -> None:
         _replicated(services, 1)
         # node 2 holds rank 1's replica: flip a byte of every segment it has there
         damage_held_copy(services[2].proc.pid, services[2].socket, root, 1)
-        fresh: list[Service] = []
-        try:
-            _lose(services, 1, fresh)
+        with _lost(services, 1):
             reports = _restore(root, tmp_path / "r", services)
-        finally:
-            for service in fresh:
-                service.stop()
     assert reports[1]["source"] == "storage"  # the fetched copy failed its check
     check_restored(tmp_path / "save", tmp_path / "r")
 
@@ -215,14 +224,9 @@ def test_a_tp_job_of_2_nodes_restores_the_lost_nodes_rank_from_its_peer(tmp_path
     with services_per_rank(2, args=PEERS) as services:
         _save(root, tmp_path / "save", services, "tp")
         _replicated(services, 1)
-        fresh: list[Service] = []
-        try:
-            _lose(services, 0, fresh)  # rank 0's share lives on node 1 too
+        with _lost(services, 0):  # rank 0's share lives on node 1 too
             sockets = ",".join(s.socket for s in services)
             job("restore", "tp", root, tmp_path / "r", 2, CHECKPOINTD_TEST_SERVICES=sockets)
-        finally:
-            for service in fresh:
-                service.stop()
     reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(2)]
     # each TP rank reads back a few bytes of the other rank's files (80 and 40 here): the
     # lost node's rank takes both shares from node 1 (its own, then the other rank's),
@@ -250,9 +254,7 @@ def test_a_lost_node_of_2_restores_resharded_on_3_ranks_every_share_from_memory_
             CHECKPOINTD_TEST_REPLICAS="1",
         )
         _replicated(services, 2)
-        fresh: list[Service] = []
-        try:
-            _lose(services, 0, fresh)
+        with _lost(services, 0):
             # restarted on 3 ranks: new ranks 0, 1 on A's empty replacement, 2 on B.
             # Rows over 3 ranks straddle the 4 saved shares: new rank 0 reads saved ranks
             # 0's and 1's, new rank 1 saved 1's and 2's (fetched from B as it reads them),
@@ -261,9 +263,6 @@ def test_a_lost_node_of_2_restores_resharded_on_3_ranks_every_share_from_memory_
             sockets = ",".join([services[0].socket, services[0].socket, b])
             job("restore", "fsdp2", root, tmp_path / "r", 3, CHECKPOINTD_TEST_SERVICES=sockets)
             replies = [status(s.socket) for s in services]
-        finally:
-            for service in fresh:
-                service.stop()
     reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["shard_bytes_read"] for r in reports] == [0, 0, 0]
     assert [r["source"] for r in reports] == ["peer", "peer", "memory"]
@@ -282,15 +281,10 @@ def test_a_lost_node_of_an_hsdp_job_restores_its_own_and_its_replicas_shards_fro
         # each pair shares the writing, so every rank restores files its partner wrote
         _save(root, tmp_path / "save", services, "hsdp")
         _replicated(services, 1)
-        fresh: list[Service] = []
-        try:
-            _lose(services, 1, fresh)
+        with _lost(services, 1):
             sockets = ",".join(s.socket for s in services)
             job("restore", "hsdp", root, tmp_path / "r", 4, CHECKPOINTD_TEST_SERVICES=sockets)
             replies = [status(s.socket) for s in services]
-        finally:
-            for service in fresh:
-                service.stop()
     reports = [json.loads((tmp_path / "r" / f"rank{r}.json").read_text()) for r in range(4)]
     # the lost rank's own share and its partner's from peers, every other rank's own
     # from memory and its partner's from the node that holds it: none from storage
