@@ -121,3 +121,15 @@ def test_every_tunable_is_documented() -> None:
         and isinstance(after.value.value, str)
     }
     assert set(tunables.__all__) == documented
+
+
+def test_a_rank_file_is_known_by_the_names_the_layout_gives_it() -> None:
+    for name in (
+        layout.shard_file_name("model", "a1", 3),
+        layout.shard_index_name("a1", 3),
+        layout.tree_file_name("optimizer-rank3", "a1"),  # a per-rank component's file
+    ):
+        assert layout.is_rank_file(f"000000000001/{name}", 3), name
+        assert not layout.is_rank_file(name, 13), name
+    assert not layout.is_rank_file(layout.tree_file_name("model", "a1"), 3)
+    assert not layout.is_rank_file(layout.shard_file_name("model", "a1", 31), 3)

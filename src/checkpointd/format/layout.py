@@ -30,6 +30,7 @@ __all__ = [
     "check_component_name",
     "is_blob_name",
     "is_component_name",
+    "is_rank_file",
     "is_safe_file_name",
     "is_step",
     "is_temp_name",
@@ -123,6 +124,13 @@ def shard_file_name(component: str, token: str, rank: int) -> str:
 def shard_index_name(token: str, rank: int) -> str:
     """File name of rank ``rank``'s shard index (schema 4): ``shards.T.rankR.json``."""
     return f"shards.{token}.rank{rank}.json"
+
+
+def is_rank_file(path: str, rank: int) -> bool:
+    """True if ``path``'s name says only rank ``rank`` wrote it: its shards
+    (``shard_file_name``), its shard index (``shard_index_name``) or a file of a per-rank
+    component (``C-rankR.…``). A file every rank holds alike is named so only by accident."""
+    return re.search(rf"[.-]rank{rank}\.", path.rsplit("/", 1)[-1]) is not None
 
 
 # --- shared blobs (incremental saves) ------------------------------------------

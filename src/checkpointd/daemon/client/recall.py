@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from checkpointd.daemon.client.overlay import Copy, OverlayStore
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.shm import map_fd
 from checkpointd.errors import CheckpointError, ServiceError, StorageError
-from checkpointd.format.layout import MANIFEST_NAME, step_dirname
+from checkpointd.format.layout import MANIFEST_NAME, is_rank_file, step_dirname
 from checkpointd.format.manifest import Manifest, decode_manifest
 from checkpointd.storage import Store, open_store, resolve_root
 from checkpointd.write.loop import newest_committed
@@ -151,7 +150,7 @@ class _Shares:
         self._listed = listed
         self._folder = step_dirname(ask.step)
         self._rank_of = {
-            f"{self._folder}/{f.path}": f.rank for f in listed.files if _owned(f.path, f.rank)
+            f"{self._folder}/{f.path}": f.rank for f in listed.files if is_rank_file(f.path, f.rank)
         }
         self._asked: set[int] = set()
         self._mapped: list[mmap.mmap] = []
@@ -199,10 +198,3 @@ class _Shares:
         for mapped in self._mapped:
             with contextlib.suppress(BufferError):
                 mapped.close()
-
-
-def _owned(path: str, rank: int) -> bool:
-    """True if ``path`` is named as only ``rank``'s share holds it (layout's names: shards
-    ``C.T.rankR.safetensors``, index ``shards.T.rankR.json``, per-rank components'
-    ``C-rankR.…`` files). A replicated file named so is only looked up needlessly."""
-    return re.search(rf"[.-]rank{rank}\.", path.rsplit("/", 1)[-1]) is not None
