@@ -214,16 +214,14 @@ class PeerPort:
             await link.send(w.PushReplica(ref, held.files, segment.size))
             wait = tunables.PEER_IDLE_WAIT_SECONDS if push else 0.0
             reply = await link.done(tunables.FRAME_SECONDS + wait)
-            if not reply.ok:
-                self.replicas.failures[f"peer refused: {reply.why}"] += 1
-                return False
-            # the other side read the offer before it answered: nothing of ours is left in
-            # the transport, and the segment goes from its mapping to the socket directly
-            until = time.monotonic() + deadline(segment.size)
-            await anyio.to_thread.run_sync(lowest, move, link.stream, segment, until, True)
-            # the other side checks every file's CRC32C before it answers
-            reply = await link.done(tunables.FRAME_SECONDS + deadline(segment.size))
-            if not reply.ok:
+            if reply.ok:
+                # the other side read the offer before it answered: nothing of ours is left
+                # in the transport, and the segment goes from its mapping to the socket
+                until = time.monotonic() + deadline(segment.size)
+                await anyio.to_thread.run_sync(lowest, move, link.stream, segment, until, True)
+                # the other side checks every file's CRC32C before it answers
+                reply = await link.done(tunables.FRAME_SECONDS + deadline(segment.size))
+            if not reply.ok:  # the offer or the bytes refused
                 self.replicas.failures[f"peer refused: {reply.why}"] += 1
             return reply.ok
         finally:
