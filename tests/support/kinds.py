@@ -58,7 +58,7 @@ _FRAMEWORK_TEXT = re.compile(
     r"^(lightning|pytorch_lightning|accelerate|transformers|torchtitan)(\.|$)"
     r"|^tests\.support\.(lightning|lightning_kill|accelerate|transformers|torchtitan)_job$"
 )
-_BENCH_FILES = frozenset({"test_benchmarks_smoke.py"})
+_BENCH_PREFIX = "test_benchmarks"  # test_benchmarks_smoke.py, test_benchmarks_compare.py, ...
 _DOCS_FOLDER = "docs"  # tests/docs: the site, built with mkdocs and read in Chromium
 
 
@@ -163,7 +163,7 @@ def kinds_of(item: pytest.Item, scan: _Scan) -> set[str]:
         kinds.add("cloud")
     if names & _FRAMEWORKS or any(_FRAMEWORK_TEXT.match(t) for t in texts):
         kinds.add("frameworks")
-    if item.path.name in _BENCH_FILES:
+    if item.path.name.startswith(_BENCH_PREFIX):
         kinds.add("bench")
     if item.path.parent.name == _DOCS_FOLDER and item.path.parent.parent.name == "tests":
         kinds.add("docs")
