@@ -54,19 +54,29 @@ def floors(tensors: list[torch.Tensor], repeats: int) -> dict[str, float]:
         pinned.copy_(big, non_blocking=True)
         _sync()
         one.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            pinned[offset : offset + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-            offset += n
-        _sync()
-        each.append(time.perf_counter() - start)
+        each.append(copy_each(tensors, pinned))
     del big, pinned
     return {
         "single_copy_gbps": nbytes / statistics.median(one) / GB,
         "per_tensor_gbps": nbytes / statistics.median(each) / GB,
     }
+
+
+def copy_each(tensors: list[torch.Tensor], host: torch.Tensor) -> float:
+    """Seconds to copy ``tensors`` one by one into the uint8 buffer ``host`` (pinned: the
+    copies are DMA, non-blocking, synchronized once at the end; CUDA idle before)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _sync()
+    start = time.perf_counter()
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        host[offset : offset + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=cuda)
+        offset += n
+    if cuda:
+        _sync()
+    return time.perf_counter() - start
 
 
 def _loop(width: int, depth: int, batch: int) -> tuple[dict[str, Any], Callable[..., float]]:
@@ -96,18 +106,20 @@ def _dcp_saver(
     folder: Path,
 ) -> tuple[Callable[[int, dict[str, Any]], tuple[Any, Any]], Callable[[], None]] | None:
     """A function that starts DCP's zero-overhead async save (returning its staging and
-    upload futures) and one that closes its stager; None if DCP lacks them."""
+    upload futures) and one that closes its stager; None if DCP lacks them. Without CUDA
+    (benchmarks.gpu_check's CPU rehearsal) the stager copies into plain memory, blocking."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
     except ImportError:
         return None
+    cuda = torch.cuda.is_available()
     stager = DefaultStager(
         StagingOptions(
-            use_pinned_memory=True,
+            use_pinned_memory=cuda,
             use_shared_memory=False,
             use_async_staging=True,
-            use_non_blocking_copy=True,
+            use_non_blocking_copy=cuda,
         )
     )
 

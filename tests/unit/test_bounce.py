@@ -253,6 +253,7 @@ def test_load_to_a_device_refuses_damage_and_falls_back(
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_restore_lands_through_pinned_staging(
     local_root: Root, monkeypatch: pytest.MonkeyPatch
@@ -283,6 +284,7 @@ def test_cuda_restore_lands_through_pinned_staging(
         assert _equal(saved[key], {k: v.cpu() for k, v in state.items()})
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_damage_leaves_cuda_targets_untouched(local_root: Root) -> None:
     model, _ = _trained(0)
@@ -295,6 +297,7 @@ def test_cuda_damage_leaves_cuda_targets_untouched(local_root: Root) -> None:
     assert _equal(before, live.state_dict())
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_load_map_location(local_root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tunables, "BOUNCE_BYTES", 2 * 2**16)
@@ -306,6 +309,7 @@ def test_cuda_load_map_location(local_root: Root, monkeypatch: pytest.MonkeyPatc
     assert _equal(model.state_dict(), {k: v.cpu() for k, v in state.items()})
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_without_an_index_is_the_calling_threads_device() -> None:
     found = bounce.resolved(torch.device("cuda"))

@@ -326,6 +326,7 @@ def test_async_writer_overlapped(tmp_path: Path, backend: str, gate: Gate) -> No
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_overlapped_copies_see_kernels_queued_before_save(tmp_path: Path) -> None:
     """The side stream waits for the work queued before save(); the step waits for it."""
