@@ -17,6 +17,7 @@ from benchmarks.common import REPO
 
 # Every file with a test marked cuda: gpu_check runs them all (on CPU, all skip).
 CUDA_FILES = {f"tests/unit/test_{name}.py" for name in ("bounce", "capture", "rng", "staging")}
+CUDA_FILES.add("tests/integration/test_service.py")  # the service's pinned segments
 SERIES = [f"d2h.{f}" for f in ("pinned", "single")]
 SERIES += [
     f"{c}.{f}"
@@ -47,7 +48,7 @@ def test_gpu_check_runs_end_to_end(tmp_path: Path) -> None:
 
     tests = results["tests"]
     assert set(tests["files"]) >= CUDA_FILES
-    assert len(tests["tests"]) >= 8
+    assert len(tests["tests"]) >= 9
     assert tests["failed"] == tests["errors"] == 0
     bench = results["benchmark"]
     assert bench["reps"] == 1

@@ -265,3 +265,41 @@ def test_segments_asked_for_ahead_are_used_or_given_back(service: Service, tmp_p
             writer.save(step, {"t": tensor}).result(60)
             wait_for(lambda: status(service.socket).bytes_staged == 0)  # nothing left owned
             assert torch.equal(checkpointd.load(root, step).state["t"], tensor)
+
+
+def _cuda_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_through_pinned_segments_and_back_from_memory(
+    service: Service, tmp_path: Path
+) -> None:
+    """CUDA sources are copied into the service's segments, page-locked for the copies
+    (cudaHostRegister, unregistered when a segment is dropped); the files are the
+    in-process save's, and a restore from the memory tier lands them in CUDA tensors."""
+    model, optimizer = _cuda_state(0)
+    state = {"model": model, "optimizer": optimizer}
+    with checkpointd.CheckpointWriter(str(tmp_path / "svc"), service=service.socket) as writer:
+        for step in (1, 2, 3):  # later saves reuse a registered segment or register anew
+            writer.save(step, state).result(60)
+    with checkpointd.CheckpointWriter(str(tmp_path / "inproc")) as writer:
+        writer.save(3, state).result(60)
+    assert files_by_component(tmp_path / "svc", 3) == files_by_component(tmp_path / "inproc", 3)
+    live_model, live_optimizer = _cuda_state(1)
+    live = {"model": live_model, "optimizer": live_optimizer}
+    info = checkpointd.restore(str(tmp_path / "svc"), live, service=service.socket)
+    assert info.source == "memory"
+    pairs = [(live_model.state_dict()[k], t) for k, t in model.state_dict().items()]
+    for mine, theirs in zip(live_model.parameters(), model.parameters(), strict=True):
+        pairs += [(live_optimizer.state[mine][k], t) for k, t in optimizer.state[theirs].items()]
+    assert len(pairs) == 4 + 4 * 3  # weights and biases; step, exp_avg, exp_avg_sq of each
+    for got, want in pairs:
+        assert got.device == want.device  # the moments on the GPU (step stays a CPU scalar)
+        assert torch.equal(got, want)
