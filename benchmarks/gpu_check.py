@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,12 +135,17 @@ def ratios(bench: dict[str, Any]) -> dict[str, float]:
     return {name: _median(series, top) / _median(series, bottom) for name, top, bottom in pairs}
 
 
-def verdict(cuda: bool, tests: dict[str, Any], found: dict[str, float]) -> dict[str, Any]:
-    """Each goal's status (``pass``, ``fail``, or ``skipped`` with why) and ``ok``."""
+def verdict(
+    cuda: bool, tests: dict[str, Any], found: dict[str, float], error: str | None = None
+) -> dict[str, Any]:
+    """Each goal's status (``pass``, ``fail``, or ``skipped`` with why) and ``ok``; a
+    benchmark that raised ``error`` fails every figure's goal, with or without CUDA."""
     goals: list[dict[str, Any]] = []
     for name, what, _, _, limit in GOALS:
         ratio = found[name]
-        if not cuda:
+        if error is not None:
+            status = f"fail: the benchmark raised {error}"
+        elif not cuda:
             status = NO_CUDA
         elif math.isnan(ratio):
             status = "fail: not measured within the budget"
@@ -182,20 +188,21 @@ def report(results: dict[str, Any]) -> str:
     """The figures and the verdict, for humans."""
     bench = results["benchmark"]
     rows = [
-        f"gpu_check on {bench['device']}: state {bench['state_bytes'] / GB:.3f} GB in "
-        f"{bench['tensors']} tensors, {bench['reps']} reps after a warm-up, files warm; "
-        f"load average {results['machine']['loadavg'][0]:.2f}",
+        f"gpu_check on {bench['device']}: state {bench.get('state_bytes', 0) / GB:.3f} GB in "
+        f"{bench.get('tensors', 0)} tensors, {bench.get('reps', 0)} reps after a warm-up, "
+        f"files warm; load average {results['machine']['loadavg'][0]:.2f}",
     ]
     if not results["cuda"]:
         rows.append(
             "no CUDA device on this machine: the CUDA tests skip and the benchmark ran its "
             "CPU rehearsal at toy size; none of its figures is a goal's"
         )
+    if "error" in bench:
+        rows.append(f"the benchmark failed: {bench['error']}")
     rows.append("medians (warm-ups, series NAME.first.*, in the JSON):")
     for name, summary in bench["series"].items():
-        if summary["median"] is not None and not {"first", "service_from_memory"} & {
-            *name.split(".")
-        }:
+        parts = set(name.split("."))
+        if summary["median"] is not None and not parts & {"first", "service_from_memory"}:
             rows.append(f"  {name:34}{summary['median'] * 1e3:10.2f} ms")
     rows.append("ratios of medians:")
     rows += [f"  {name:50}{_shown(value)}" for name, value in results["ratios"].items()]
@@ -226,7 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--started", type=float, default=None, help="epoch the budget began")
     parser.add_argument("--smoke", action="store_true", help="toy size, one repetition")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/gpu_check.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON (default: benchmarks/results/gpu_check.json on CUDA, else in /tmp)",
+    )
     args = parser.parse_args(argv)
     spent = 0.0 if args.started is None else max(0.0, time.time() - args.started)
     deadline = time.monotonic() + args.budget_s - spent
@@ -238,7 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tests = run_cuda_tests(timeout=max(30.0, min(300.0, left)))
     print(f"gpu_check: CUDA tests: {tests.get('summary', 'timed out')}")
     nbytes = gpu_figures.TOY_BYTES if args.smoke else int(args.gb * GB)
-    bench = gpu_figures.measure(nbytes, 1 if args.smoke else args.reps, deadline - 10, args.dir)
+    try:
+        bench = gpu_figures.measure(nbytes, 1 if args.smoke else args.reps, deadline - 10, args.dir)
+    except Exception as exc:  # the tests' outcome and this still go into the JSON
+        traceback.print_exc()
+        bench = {"device": "cuda" if cuda else "cpu", "error": repr(exc), "series": {}}
     found = ratios(bench)
     results = {
         "cuda": cuda,
@@ -248,9 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tests": tests,
         "benchmark": bench,
         "ratios": {name: _number(value) for name, value in found.items()},
-        "verdict": verdict(cuda, tests, found),
+        "verdict": verdict(cuda, tests, found, bench.get("error")),
         "seconds": args.budget_s - (deadline - time.monotonic()),
     }
+    if args.out is None:  # a CPU rehearsal's figures are not results to keep
+        results_dir = REPO / "benchmarks/results" if cuda else Path(tempfile.gettempdir())
+        args.out = results_dir / "gpu_check.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(report(results))

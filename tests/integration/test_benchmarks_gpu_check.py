@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,3 +72,31 @@ def test_gpu_check_runs_end_to_end(tmp_path: Path) -> None:
     assert "no CUDA device" in done.stdout
     assert "nothing judged: no CUDA device" in done.stdout
     assert not list(tmp_path.glob("checkpointd-bench-*")), "work folders must be removed"
+
+
+def test_on_a_device_a_missed_goal_or_a_skipped_cuda_test_fails_the_verdict() -> None:
+    """What a GPU run judges, from figures as the benchmark writes them."""
+    from benchmarks import gpu_check
+
+    def bench(blocked: float) -> dict[str, Any]:
+        medians = {"blocking.blocked": blocked, "d2h.pinned": 1.0, "overlapped.blocked": 0.05}
+        medians |= {"restore.checkpointd": 0.7, "restore.torch": 1.0}
+        return {"series": {k: {"median": v} for k, v in medians.items()}}
+
+    ran = {"returncode": 0, "passed": 9, "failed": 0, "errors": 0, "skipped": 0}
+    met = gpu_check.verdict(True, ran, gpu_check.ratios(bench(1.1)))
+    assert [g["status"] for g in met["goals"]] == ["pass"] * 4
+    assert met["ok"] is True
+    missed = gpu_check.verdict(True, ran, gpu_check.ratios(bench(1.3)))
+    assert [g["status"] for g in missed["goals"]] == ["fail", "pass", "pass", "pass"]
+    assert missed["ok"] is False
+    skipped = gpu_check.verdict(True, {**ran, "skipped": 1}, gpu_check.ratios(bench(1.1)))
+    assert skipped["goals"][3]["status"].startswith("fail: not every CUDA test ran")
+    unmeasured = gpu_check.verdict(True, ran, gpu_check.ratios({"series": {}}))
+    assert unmeasured["goals"][0]["status"] == "fail: not measured within the budget"
+    on_cpu = gpu_check.verdict(False, {**ran, "skipped": 9}, gpu_check.ratios(bench(1.3)))
+    assert {g["status"].split(" (")[0] for g in on_cpu["goals"]} == {"skipped: no CUDA device"}
+    assert on_cpu["ok"] is True
+    failed_on_cpu = gpu_check.verdict(False, {**ran, "failed": 1}, gpu_check.ratios(bench(1.1)))
+    assert failed_on_cpu["goals"][3]["status"].startswith("fail: ")
+    assert failed_on_cpu["ok"] is False
