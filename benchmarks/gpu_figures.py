@@ -186,10 +186,9 @@ def measure(nbytes: int, reps: int, deadline: float, parent: Path | None = None)
     table = Table()
     sockets = tempfile.mkdtemp(prefix="ckd-gpu-", dir="/tmp")  # a short socket path
     folder = Path(tempfile.mkdtemp(prefix="checkpointd-bench-gpu-", dir=parent))
-    limit = str(max(4 * nbytes, 2**30))  # a save's segment, the held copy, the next save's
     try:
         with ThreadPoolExecutor(1) as pool:  # the service starts while the state is built
-            starting = pool.submit(start_service, sockets, "--memory-limit", limit)
+            starting = pool.submit(start_service, sockets)  # no memory limit, as by default
             try:
                 state = build_state(nbytes, device)
             except BaseException:
