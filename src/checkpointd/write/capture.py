@@ -184,6 +184,10 @@ class CapturedComponent:
     blobs: dict[str, str] = field(default_factory=dict)
     """Tensors an incremental writer found unchanged at capture -> their stored blob: their
     place in the arena is left unfilled (see incremental.py)."""
+    crcs: list[int | None] = field(default_factory=list)
+    """The CRC32C of each of ``entries``' bytes in the arena, taken as they were copied
+    there (None where it was not); empty if none was (overlapped staging). The writer
+    uses them instead of reading those bytes again to checksum its files."""
 
 
 def _aligned(nbytes: int) -> int:
@@ -279,34 +283,54 @@ def _capture(
     arena = buffer.reserve(total, pinned=uses_cuda)
     copied: list[Source] = []
     places: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
-    for sources, entries, offset, stored in regions:
-        for source, entry in zip(sources, entries, strict=True):
+    owners: list[tuple[list[int | None], int]] = []  # where each copy's CRC32C goes
+    for index, (sources, entries, offset, stored) in enumerate(regions):
+        crcs: list[int | None] = [None] * len(entries)
+        if index < len(planned):  # a data region (shard regions are checked per block)
+            planned[index][0].crcs = crcs
+        for at, (source, entry) in enumerate(zip(sources, entries, strict=True)):
             if source.nbytes == 0 or source.name in stored:
+                crcs[at] = 0 if source.nbytes == 0 else None
                 continue
             copied.append(source)
+            owners.append((crcs, at))
             places.append((offset + entry.begin, source.nbytes, entry.dtype, entry.shape))
     targets = buffer.targets(arena, places)
     copies = [(s.tensor, t) for s, t in zip(copied, targets, strict=True)]
-    (copier or copy_now)(copies, uses_cuda)
+    if copier is None:
+        for (crcs, at), digest in zip(owners, copy_now(copies, uses_cuda), strict=True):
+            crcs[at] = digest
+    else:  # overlapped: copied later; the writer checksums as it writes
+        copier(copies, uses_cuda)
+        for component, _ in planned:
+            component.crcs = []
     return [component for component, _ in planned]
 
 
-def copy_now(copies: list[Copy], uses_cuda: bool) -> None:
-    """Copy every source into its target; returns once the bytes are in host memory.
+def copy_now(copies: list[Copy], uses_cuda: bool) -> list[int | None]:
+    """Copy every source into its target; returns once the bytes are in host memory,
+    with each copy's CRC32C as it landed where it was taken, else None.
 
     Plain CPU tensors are copied as bytes by the free cores (bytecopy.py: torch's
-    per-tensor OpenMP barriers stall when cores are busy). CUDA copies are issued
-    non-blocking (the arena is pinned) and synchronized once per device. Caller's
-    thread, or staging's copier thread for CPU sources.
+    per-tensor OpenMP barriers stall when cores are busy), each piece checksummed right
+    after it lands, while in cache (checksummed when the file is written, the bytes are
+    read from memory again). CUDA copies are issued non-blocking (the arena is
+    pinned) and synchronized once per device; their bytes are checksummed by the
+    writer. Caller's thread.
     """
     plain: list[Copy] = []
-    for source, target in copies:
+    where: list[int] = []
+    for index, (source, target) in enumerate(copies):
         if bytecopy.plain(source, target):
             plain.append((source, target))
+            where.append(index)
         else:
             target.copy_(source, non_blocking=uses_cuda)
-    bytecopy.copy_plain(plain)
+    digests: list[int | None] = [None] * len(copies)
+    for index, digest in zip(where, bytecopy.copy_plain_checked(plain), strict=True):
+        digests[index] = digest
     if uses_cuda:
         for device in {source.device for source, _ in copies}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+    return digests

@@ -33,7 +33,7 @@ import anyio.to_thread
 from checkpointd import tunables
 from checkpointd._version import __version__
 from checkpointd.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from checkpointd.format.checksum import crc32c
+from checkpointd.format.checksum import crc32c, crc32c_combine
 from checkpointd.format.layout import BLOBS_DIR, MANIFEST_NAME, step_dirname
 from checkpointd.format.manifest import (
     BlobEntry,
@@ -79,19 +79,24 @@ async def in_thread(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args:
 def _stream_file(
     store: Store, folder: str, file: StepFile, chunk_bytes: int
 ) -> tuple[FileSink, FileEntry]:
-    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go,
+    """Write ``file``'s parts to an uncommitted file in ``folder``, digesting as they go
+    (a part whose CRC32C capture took is not read again: its digest is combined),
     ``chunk_bytes`` per write. Worker thread."""
     sink = store.open_file(f"{folder}/{file.name}", size=file.size)
     try:
         digest = 0
         size = 0
-        for part in file.parts:
+        known = file.crcs or [None] * len(file.parts)
+        for part, crc in zip(file.parts, known, strict=True):
             view = memoryview(part).cast("B")
             for start in range(0, len(view), chunk_bytes):
                 chunk = view[start : start + chunk_bytes]
-                digest = crc32c(chunk, digest)
+                if crc is None:
+                    digest = crc32c(chunk, digest)
                 sink.write(chunk)
                 size += len(chunk)
+            if crc is not None:
+                digest = crc32c_combine(digest, crc, len(view))
     except BaseException:
         sink.discard()
         raise

@@ -42,6 +42,9 @@ class WriteFile:
     parts: Sequence[BytesLike]
     component: str
     rank: int = 0
+    crcs: Sequence[int | None] = ()
+    """The CRC32C of each of ``parts`` where capture took it as it copied the bytes
+    (None where not; empty: none): the writer combines it instead of reading the part."""
 
     @property
     def size(self) -> int:
@@ -59,6 +62,9 @@ class RankFile:
     parts: Sequence[BytesLike]
     component: str
     rank: int = 0
+    crcs: Sequence[int | None] = ()
+    """The CRC32C of each of ``parts`` where capture took it as it copied the bytes
+    (None where not; empty: none): the writer combines it instead of reading the part."""
 
     @property
     def size(self) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from checkpointd.format.checksum import BytesLike, crc32c
+from checkpointd.format.checksum import BytesLike, crc32c, crc32c_combine
 from checkpointd.format.codec import encode_tree
 from checkpointd.format.dtypes import encode_dtype
 from checkpointd.format.header import TensorEntry, encode_safetensors_header
@@ -163,7 +163,7 @@ def plan_snapshot(
         if parts is not None:
             tensors = tensor_file_name(name, token)
             tensor_names.append(tensors)
-            files.append(_step_file(own, tensors, parts, name, snapshot.rank))
+            files.append(_step_file(own, tensors, parts[0], name, snapshot.rank, crcs=parts[1]))
         components[name] = ComponentEntry(
             tree=tree,
             tensors=tensor_names,
@@ -181,33 +181,58 @@ def plan_snapshot(
 
 
 def _step_file(
-    own: bool, name: str, parts: list[BytesLike], component: str, rank: int
+    own: bool,
+    name: str,
+    parts: list[BytesLike],
+    component: str,
+    rank: int,
+    *,
+    crcs: list[int | None] | tuple[()] = (),
 ) -> PlannedFile:
-    return RankFile(name, parts, component, rank) if own else WriteFile(name, parts, component)
+    if own:
+        return RankFile(name, parts, component, rank, crcs)
+    return WriteFile(name, parts, component, crcs=crcs)
 
 
 def _tensor_parts(
     component: CapturedComponent, snapshot: Snapshot, refs: Mapping[str, BlobRef]
-) -> list[BytesLike] | None:
+) -> tuple[list[BytesLike], list[int | None]] | None:
     """The parts of ``component``'s tensor file (header, then data), leaving out the
-    tensors stored as blobs (``refs``); None if no tensor is left."""
+    tensors stored as blobs (``refs``), with the CRC32C capture took of each data part
+    (None if it did not); None if no tensor is left."""
     buffer, direct_min = snapshot.buffer, snapshot.layout.direct_min
+    known = component.crcs if len(component.crcs) == len(component.entries) else None
     if not refs:
         if not component.entries:
             return None
         data = buffer.view(component.offset, component.nbytes)
-        return [_header(component.entries, component.nbytes, direct_min), data]
+        crc = None if known is None else _joined(component.entries, known, component.nbytes)
+        return [_header(component.entries, component.nbytes, direct_min), data], [None, crc]
     small: list[TensorEntry] = []
     views: list[BytesLike] = []
+    crcs: list[int | None] = [None]
     position = 0
-    for entry in component.entries:  # kept in order: decreasing element size
+    for at, entry in enumerate(component.entries):  # kept in order: decreasing element size
         if entry.name in refs:
             continue
         size = entry.end - entry.begin
         small.append(TensorEntry(entry.name, entry.dtype, entry.shape, position, position + size))
         views.append(buffer.view(component.offset + entry.begin, size))
+        crcs.append(None if known is None else known[at])
         position += size
-    return [_header(small, position, direct_min), *views] if small else None
+    return ([_header(small, position, direct_min), *views], crcs) if small else None
+
+
+def _joined(entries: list[TensorEntry], crcs: list[int | None], nbytes: int) -> int | None:
+    """The CRC32C of a data region of ``nbytes`` from its tensors', or None if one is
+    unknown or they do not lie end to end from 0 to ``nbytes`` (as capture lays them)."""
+    digest, position = 0, 0
+    for entry, crc in zip(entries, crcs, strict=True):
+        if crc is None or entry.begin != position:
+            return None
+        digest = crc32c_combine(digest, crc, entry.end - entry.begin)
+        position = entry.end
+    return digest if position == nbytes else None
 
 
 def _header(entries: list[TensorEntry], nbytes: int, direct_min: int) -> bytes:

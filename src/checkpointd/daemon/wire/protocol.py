@@ -146,6 +146,9 @@ class ComponentDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shard_entries: list[EntryDesc] = msgspec.field(default_factory=list)
     shard_offset: int = 0
     shard_nbytes: int = 0
+    crcs: list[int | None] = msgspec.field(default_factory=list)
+    """The CRC32C of each of ``entries``' bytes, taken as capture copied them (None where
+    it did not; empty: none), which the service's writer uses as its own."""
 
 
 class SnapshotDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

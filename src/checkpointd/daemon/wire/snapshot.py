@@ -6,7 +6,9 @@ which the plan's ``encode_tree`` writes out byte for byte: the files are the sam
 as an in-process save's, planned with the trainer's tunables (its writer's
 ``SaveLayout``, sent once in ``OpenWriter``), not the service's. Every offset, size and name is checked against the
 segment before the service trusts it (held.py: what the memory tier keeps of a
-committed save). Imports torch.
+committed save). The CRC32Cs capture took as it copied (``ComponentDesc.crcs``) are
+the trainer's word, as the bytes are: one that does not match its bytes makes a file
+every reader refuses, never a checkpoint read wrong. Imports torch.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def describe(snapshot: Snapshot) -> SnapshotDesc:
                 [_entry_desc(e) for e in component.shard_entries],
                 component.shard_offset,
                 component.shard_nbytes,
+                component.crcs,
             )
         )
     return SnapshotDesc(
@@ -115,6 +118,7 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor, layout: SaveLayout) -> Snap
         shards = _shards(comp)
         shard_entries = [_entry(e, comp.name, comp.shard_nbytes) for e in comp.shard_entries]
         _check_written(comp.name, shards, shard_entries)
+        _check_crcs(comp)
         components.append(
             CapturedComponent(
                 comp.name,
@@ -126,6 +130,7 @@ def rebuild(desc: SnapshotDesc, arena: torch.Tensor, layout: SaveLayout) -> Snap
                 shard_entries,
                 comp.shard_offset,
                 comp.shard_nbytes,
+                crcs=list(comp.crcs),
             )
         )
     _check_block(layout.shard_block, components)
@@ -153,6 +158,16 @@ def _check_block(block: int, components: list[CapturedComponent]) -> None:
             f"{blocks:,} shard blocks of {block} bytes: their CRC32Cs cannot fit the "
             f"{tunables.MAX_MANIFEST_BYTES:,}-byte manifest any reader accepts"
         )
+
+
+def _check_crcs(comp: ComponentDesc) -> None:
+    """The CRC32Cs capture took: none, or one per tensor entry, each 32 bits (or None)."""
+    if comp.crcs and len(comp.crcs) != len(comp.entries):
+        raise ProtocolError(
+            f"component {comp.name!r} has {len(comp.crcs)} CRC32Cs for {len(comp.entries)} tensors"
+        )
+    if any(crc is not None and not 0 <= crc < 1 << 32 for crc in comp.crcs):
+        raise ProtocolError(f"component {comp.name!r} has a CRC32C out of range")
 
 
 def _region(component: str, what: str, offset: int, nbytes: int, size: int) -> None:
