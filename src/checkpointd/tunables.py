@@ -16,9 +16,8 @@ from __future__ import annotations
 # --- writing -----------------------------------------------------------------
 
 CHUNK_BYTES = 16 * 2**20
-"""Bytes handed to a sink per write while streaming a file: large enough that the
-per-call cost vanishes, small enough that the digest and the write of one chunk
-overlap well with other files'. The default of a writer's ``chunk_bytes``."""
+"""Bytes handed to a sink per write while streaming a file (per-call cost vanishes; one
+chunk's digest and write overlap other files'). The default of ``chunk_bytes``."""
 
 DEFAULT_MAX_PENDING = 1
 """Snapshots a writer holds at once by default (one staging buffer each)."""
@@ -28,17 +27,15 @@ DEFAULT_MAX_CONCURRENCY = 4
 connection pool busy without oversubscribing worker threads."""
 
 DIRECT_MIN_BYTES = 1 << 20
-"""Data regions (and aligned writes) of at least this many bytes go through
-O_DIRECT; below it a buffered write is as cheap, and toggling the flag costs two
-syscalls. Also decides whether a tensor file's data starts 4 KiB-aligned."""
+"""Data regions (and aligned writes) of at least this many bytes go through O_DIRECT
+(below it a buffered write is as cheap); also whether tensor data starts 4 KiB-aligned."""
 
 S3_PART_BYTES = 16 * 2**20
 """Preferred multipart-upload part size (S3 allows 5 MiB to 5 GiB; grown for huge files)."""
 
 S3_PARALLEL_PARTS = 8
-"""Parts of one file uploaded at once, each held in memory until sent (with 16 MiB
-parts up to 176 MiB per file: 8 in flight, the one filling, 2 kept for reuse); 8 beat
-4 against moto once parts went through the sync client's threads (README)."""
+"""Parts of one file uploaded at once, each held in memory until sent (16 MiB parts: up
+to 176 MiB per file); 8 beat 4 against moto once parts went through threads."""
 
 S3_READ_PART_BYTES = 64 * 2**20
 """A read from S3 longer than this is split into ranged GETs of this size (s3fs's own
@@ -62,6 +59,10 @@ starting helpers would cost more than they save."""
 COPY_CHECKED_BYTES = 512 * 2**10
 """``bytecopy.copy_checked``'s step: copied, then checksummed while the bytes are still
 in the CPU's cache (half a megabyte fits L2 on current server cores)."""
+
+CAPTURE_CRC_MIN_BYTES = 2**20
+"""Tensors at least this large are checksummed by capture as they land; smaller ones when
+the plan is made: per tensor, the checked copy and joining CRCs cost more than a read."""
 
 OPTIMIZER_SEARCH_DEPTH = 3
 """How deep overlapped staging looks into a state (dicts, lists) for optimizers whose
@@ -393,8 +394,7 @@ writer with ``replicas=``, a restore with ``service=`` in a many-rank job)."""
 
 # --- framework plugins -----------------------------------------------------------
 LIGHTNING_OPEN_WRITERS = 4
-"""Writers the Lightning plugin keeps open at once (one per root it saved to, the most
-recently used): a trainer saving to a few roots reuses them, one saving to many does
-not hold a thread and staging buffers for each."""
+"""Writers the Lightning plugin keeps open at once (one per root, the most recently
+used): one saving to many roots does not hold a thread and buffers for each."""
 
 __all__ = [name for name in list(globals()) if name.isupper()]  # every constant above

@@ -56,6 +56,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tunables, "COPY_CHUNK_BYTES", 4096)
     monkeypatch.setattr(tunables, "COPY_CHECKED_BYTES", 1000)
     monkeypatch.setattr(tunables, "COPY_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tunables, "CAPTURE_CRC_MIN_BYTES", 0)
     monkeypatch.setattr(bytecopy, "_threads", lambda: 3)
 
 
@@ -86,12 +87,33 @@ def test_the_tensor_file_gets_the_combined_crc32c_and_the_header_none() -> None:
     header, data = tensors.crcs
     assert header is None
     assert data == reference.crc32c(bytes(tensors.parts[1]))
-    # one tensor whose CRC32C capture did not take: the writer checksums the whole region
+    # one tensor whose CRC32C capture did not take: the plan reads only its bytes
     buffer = StagingBuffer()
     snapshot = Snapshot(1, capture(_state(), buffer), buffer, datetime.now(UTC), {}, {})
     (tensors,) = [f for f in plan_snapshot(snapshot, "tok").files if f.name.endswith("tensors")]
     assert isinstance(tensors, WriteFile)
-    assert list(tensors.crcs) == [None, None]
+    assert list(tensors.crcs) == [None, reference.crc32c(bytes(tensors.parts[1]))]
+
+
+def test_tensors_below_the_minimum_are_checksummed_by_the_plan_not_by_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Capture checksums only tensors of CAPTURE_CRC_MIN_BYTES or more (per tensor, its
+    checked copy costs more than a read); the file's CRC32C is whole either way."""
+    monkeypatch.setattr(tunables, "CAPTURE_CRC_MIN_BYTES", 4096)
+    state = {
+        "model": {"big": torch.randn(64, 64), "bias": torch.randn(64), "w": torch.randn(32, 32)}
+    }
+    buffer = StagingBuffer()
+    (model,) = capture(state, buffer)
+    taken = {e.name: crc for e, crc in zip(model.entries, model.crcs, strict=True)}
+    assert taken["bias"] is None
+    assert taken["big"] == reference.crc32c(state["model"]["big"].numpy().tobytes())
+    assert taken["w"] == reference.crc32c(state["model"]["w"].numpy().tobytes())
+    snapshot = Snapshot(1, [model], buffer, datetime.now(UTC), {}, {})
+    (tensors,) = [f for f in plan_snapshot(snapshot, "tok").files if f.name.endswith("tensors")]
+    assert isinstance(tensors, WriteFile)
+    assert list(tensors.crcs) == [None, reference.crc32c(bytes(tensors.parts[1]))]
 
 
 def test_saved_files_carry_the_crc32c_of_their_bytes(tmp_path: Path) -> None:

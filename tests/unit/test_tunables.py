@@ -45,6 +45,7 @@ FACTS: dict[tuple[str, str], str] = {
     ("state/storable.py", "_MSGPACK_INT_MIN"): "msgpack's int range",
     ("state/storable.py", "_MSGPACK_INT_MAX"): "msgpack's int range",
     ("memory/hostmem.py", "MADV_POPULATE_WRITE"): "a Linux madvise constant",
+    ("memory/bytecopy.py", "_WRITABLE"): "CPython's PyBUF_WRITE flag",
     ("read/landing.py", "_ALIGN"): "a cache line: enough for any dtype's alignment",
     ("daemon/server/priority.py", "_WHO_PROCESS"): "Linux ioprio ABI",
     ("daemon/server/priority.py", "_CLASS_BEST_EFFORT"): "Linux ioprio ABI",

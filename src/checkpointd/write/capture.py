@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from checkpointd import tunables
 from checkpointd.errors import UnsupportedValueError
 from checkpointd.format.header import TensorEntry
 from checkpointd.format.layout import REGION_ALIGN as _REGION_ALIGN
@@ -312,22 +313,26 @@ def copy_now(copies: list[Copy], uses_cuda: bool) -> list[int | None]:
     with each copy's CRC32C as it landed where it was taken, else None.
 
     Plain CPU tensors are copied as bytes by the free cores (bytecopy.py: torch's
-    per-tensor OpenMP barriers stall when cores are busy), each piece checksummed right
-    after it lands, while in cache (checksummed when the file is written, the bytes are
-    read from memory again). CUDA copies are issued non-blocking (the arena is
-    pinned) and synchronized once per device; their bytes are checksummed by the
-    writer. Caller's thread.
+    per-tensor OpenMP barriers stall when cores are busy); those of at least
+    ``tunables.CAPTURE_CRC_MIN_BYTES`` are checksummed piece by piece right after they
+    land, while in cache (checksummed later, the bytes are read from memory again).
+    CUDA copies are issued non-blocking (the arena is pinned) and synchronized once per
+    device. Caller's thread.
     """
     plain: list[Copy] = []
+    checked: list[Copy] = []
     where: list[int] = []
     for index, (source, target) in enumerate(copies):
-        if bytecopy.plain(source, target):
-            plain.append((source, target))
-            where.append(index)
-        else:
+        if not bytecopy.plain(source, target):
             target.copy_(source, non_blocking=uses_cuda)
+        elif source.nbytes < tunables.CAPTURE_CRC_MIN_BYTES:
+            plain.append((source, target))
+        else:
+            checked.append((source, target))
+            where.append(index)
+    bytecopy.copy_plain(plain)
     digests: list[int | None] = [None] * len(copies)
-    for index, digest in zip(where, bytecopy.copy_plain_checked(plain), strict=True):
+    for index, digest in zip(where, bytecopy.copy_plain_checked(checked), strict=True):
         digests[index] = digest
     if uses_cuda:
         for device in {source.device for source, _ in copies}:

@@ -206,7 +206,7 @@ def _tensor_parts(
         if not component.entries:
             return None
         data = buffer.view(component.offset, component.nbytes)
-        crc = None if known is None else _joined(component.entries, known, component.nbytes)
+        crc = None if known is None else _joined(component.entries, known, data)
         return [_header(component.entries, component.nbytes, direct_min), data], [None, crc]
     small: list[TensorEntry] = []
     views: list[BytesLike] = []
@@ -223,16 +223,24 @@ def _tensor_parts(
     return ([_header(small, position, direct_min), *views], crcs) if small else None
 
 
-def _joined(entries: list[TensorEntry], crcs: list[int | None], nbytes: int) -> int | None:
-    """The CRC32C of a data region of ``nbytes`` from its tensors', or None if one is
-    unknown or they do not lie end to end from 0 to ``nbytes`` (as capture lays them)."""
+def _joined(entries: list[TensorEntry], crcs: list[int | None], data: BytesLike) -> int | None:
+    """The CRC32C of the data region ``data`` from the CRC32Cs capture took of its tensors
+    (``crcs``, None where it took none), the bytes between those tensors (smaller
+    tensors, padding) checksummed here; None if capture took none (the writer then
+    checksums the region as it writes it). Writer's thread."""
+    view = memoryview(data).cast("B")
     digest, position = 0, 0
-    for entry, crc in zip(entries, crcs, strict=True):
-        if crc is None or entry.begin != position:
+    for entry, crc in sorted(zip(entries, crcs, strict=True), key=lambda pair: pair[0].begin):
+        if crc is None or entry.begin == entry.end:
+            continue
+        if entry.begin < position:  # overlapping entries: no layout capture makes
             return None
+        digest = crc32c(view[position : entry.begin], digest)
         digest = crc32c_combine(digest, crc, entry.end - entry.begin)
         position = entry.end
-    return digest if position == nbytes else None
+    if position == 0:
+        return None
+    return crc32c(view[position:], digest)
 
 
 def _header(entries: list[TensorEntry], nbytes: int, direct_min: int) -> bytes:
