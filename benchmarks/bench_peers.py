@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Series, Table, fmt_seconds, pick_folder, repo_env, start_service
+from benchmarks.common import (
+    Series,
+    Table,
+    fmt_seconds,
+    pick_folder,
+    repo_env,
+    spawn,
+    start_service,
+)
 
 WORLD = 4
 PEERS = ("--peer-address", "127.0.0.1")
@@ -52,7 +60,7 @@ def _free_port() -> int:
 def _job(action: str, args: list[str], env: dict[str, str]) -> None:
     port = str(_free_port())
     procs = [
-        subprocess.Popen(
+        spawn(
             [
                 *(sys.executable, "-m", "benchmarks.peers_rank_worker", action),
                 *(*args, str(rank), str(WORLD), port),

@@ -56,6 +56,7 @@ from benchmarks.common import (
     machine,
     memcpy_floor,
     pick_folder,
+    spawn_output,
     work_dir,
 )
 
@@ -160,18 +161,20 @@ def child(kind: str, where: Path, d: int) -> dict[str, Any]:
 
 
 def _fresh(kind: str, where: Path, d: int, src: str | None = None) -> dict[str, Any]:
-    """``child(kind, where, d)`` in a fresh process: checkpointd from this process's path,
-    or from source tree ``src`` (then this repository's benchmarks behind it)."""
+    """``child(kind, where, d)`` in a fresh process (``spawn``'s): checkpointd from this
+    process's path, or from source tree ``src`` (then this repository's benchmarks behind
+    it; a new interpreter always, which imports that tree's code)."""
     path = sys.path if src is None else [src, str(Path(__file__).resolve().parents[1])]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_restore", "--child", kind, str(where), str(d)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-m", "benchmarks.bench_restore", "--child", kind, str(where)]
+    command.append(str(d))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    if src is None:
+        out = spawn_output(command, env)
+    else:
+        out = subprocess.run(
+            command, capture_output=True, text=True, check=True, timeout=600, env=env
+        ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 

@@ -80,6 +80,7 @@ def _rank(manager_kind: str, root: str, out: str, numbers: list[int]) -> None:
 def run_once(kind: str, work: str, args: argparse.Namespace, repeat: int) -> dict[str, Any]:
     import subprocess
 
+    from benchmarks.common import spawn
     from tests.support.launch import free_port
 
     out = Path(work, f"out-{kind}-{repeat}")
@@ -87,7 +88,7 @@ def run_once(kind: str, work: str, args: argparse.Namespace, repeat: int) -> dic
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
-        subprocess.Popen(
+        spawn(
             [
                 sys.executable,
                 "-m",

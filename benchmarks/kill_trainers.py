@@ -93,9 +93,10 @@ def kill_trials(
     import torch
 
     import checkpointd
+    from benchmarks.common import spawn
 
     chance = random.Random(seed)
-    server = subprocess.Popen(
+    server = spawn(
         [sys.executable, "-m", "benchmarks.kill_trainers", socket],
         env=env,
         cwd=Path(__file__).resolve().parents[1],

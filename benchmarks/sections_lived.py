@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ import torch
 
 import checkpointd
 from benchmarks import bench_restore, bench_window
-from benchmarks.common import MiB, Table, fmt_seconds, work_dir
+from benchmarks.common import MiB, Table, fmt_seconds, spawn_output, work_dir
 
 if TYPE_CHECKING:
     from benchmarks.sections import Config
@@ -34,16 +33,12 @@ LOAD_GOALS = {"fresh": 0.7, "long_lived": 1.0}
 
 
 def _child(kind: str, where: Path, d: int) -> dict[str, Any]:
-    """bench_restore's child process of ``kind`` on ``where``: its JSON result."""
-    done = subprocess.run(
+    """bench_restore's child process of ``kind`` on ``where`` (``spawn``'s): its JSON result."""
+    out = spawn_output(
         [sys.executable, "-m", "benchmarks.bench_restore", "--child", kind, str(where), str(d)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 import checkpointd
-from benchmarks.common import Table, drop_cache
+from benchmarks.common import Table, drop_cache, spawn
 from benchmarks.rank_worker import WIDTH, build
 
 WARMUP = 2
@@ -76,7 +76,7 @@ def fsdp2_rows(
         port = str(_free_port())
         args = [sockets, str(mb), str(reps), str(folder / "fsdp2"), str(out)]
         procs = [
-            subprocess.Popen(
+            spawn(
                 [
                     sys.executable,
                     "-m",

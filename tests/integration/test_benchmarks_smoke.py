@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from benchmarks import run
+from benchmarks.common import starting_with
+from tests.support import zygote
+
+
+@pytest.fixture(autouse=True)
+def _children_forked() -> Iterator[None]:
+    """The benchmarks' ``python -m`` children of this checkout (services, ranks, trainers,
+    fresh-process loads) fork from the session's zygote instead of each paying torch's
+    import: their figures are not checked here, that they run is (--before rows stay new
+    interpreters; CHECKPOINTD_TEST_ZYGOTE=0: every child one)."""
+    with starting_with(zygote.popen):
+        yield
 
 
 @pytest.mark.timeout(300)  # seven sections; 151 s at load average 10 on 2 cores
