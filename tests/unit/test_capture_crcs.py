@@ -26,7 +26,7 @@ from checkpointd.read.verify import verify_step
 from checkpointd.storage import LocalStore
 from checkpointd.write.capture import CapturedComponent, StagingBuffer, capture
 from checkpointd.write.commit import publish_plan
-from checkpointd.write.items import WriteFile
+from checkpointd.write.items import RankFile, WriteFile, file_crc32c
 from checkpointd.write.plan import SavePlan, Snapshot, plan_snapshot
 
 
@@ -161,6 +161,16 @@ def test_the_writer_combines_a_known_crc32c_instead_of_reading_the_part(
     assert entry.crc32c == crc32c_combine(reference.crc32c(head), wrong, len(data))
     (problem,) = verify_step(store, 1, read_manifest(store, 1))
     assert "f.bin" in problem
+
+
+def test_a_files_crc32c_reads_only_the_parts_capture_did_not_checksum() -> None:
+    """What a many-rank service's memory tier digests of a file another rank wrote."""
+    head, data = b"header", b"tensor bytes"
+    assert file_crc32c(RankFile("f", [head, data], "m", 1)) == reference.crc32c(head + data)
+    known = WriteFile("f", [head, data], "m", crcs=[None, reference.crc32c(data)])
+    assert file_crc32c(known) == reference.crc32c(head + data)
+    wrong = WriteFile("f", [head, data], "m", crcs=[None, 7])  # taken as given
+    assert file_crc32c(wrong) == crc32c_combine(reference.crc32c(head), 7, len(data))
 
 
 def _over_the_wire(desc: p.SnapshotDesc) -> p.SnapshotDesc:

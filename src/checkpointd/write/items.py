@@ -21,10 +21,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal, TypeAlias
 
-from checkpointd.format.checksum import BytesLike
+from checkpointd.format.checksum import BytesLike, crc32c, crc32c_combine
 from checkpointd.format.manifest import BlobEntry
 
-__all__ = ["KeepBlob", "PlannedFile", "RankFile", "WriteBlob", "WriteFile", "assign_ranks"]
+__all__ = [
+    "KeepBlob",
+    "PlannedFile",
+    "RankFile",
+    "WriteBlob",
+    "WriteFile",
+    "assign_ranks",
+    "file_crc32c",
+]
 
 
 def _size(parts: Sequence[BytesLike]) -> int:
@@ -111,6 +119,16 @@ class KeepBlob:
     def size(self) -> int:
         """Bytes the blob holds (nothing is written unless it must be repaired)."""
         return self.entry.size
+
+
+def file_crc32c(file: WriteFile | RankFile) -> int:
+    """The CRC32C of ``file``'s bytes: of its parts in order, each read unless capture
+    took its CRC32C (``crcs``). Any thread."""
+    digest = 0
+    for part, crc in zip(file.parts, file.crcs or [None] * len(file.parts), strict=True):
+        view = memoryview(part).cast("B")
+        digest = crc32c(view, digest) if crc is None else crc32c_combine(digest, crc, len(view))
+    return digest
 
 
 PlannedFile: TypeAlias = WriteFile | RankFile | WriteBlob | KeepBlob

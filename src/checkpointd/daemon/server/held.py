@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from checkpointd.daemon.server.memtier import HeldCheckpoint
 from checkpointd.daemon.wire import protocol as p
 from checkpointd.daemon.wire.shm import MappedSegment
-from checkpointd.format.checksum import crc32c
 from checkpointd.format.layout import shard_file_name
 from checkpointd.format.manifest import FileEntry
 from checkpointd.write.capture import CapturedComponent
-from checkpointd.write.items import RankFile, WriteFile
+from checkpointd.write.items import RankFile, WriteFile, file_crc32c
 from checkpointd.write.loop import InProcessBackend
 from checkpointd.write.plan import SavePlan, Snapshot
 from checkpointd.write.ranked_merge import shard_index, written_shards
@@ -79,10 +78,8 @@ def held_checkpoint(
             if entry is None or entry.size != len(head) + length:
                 continue
             digest = entry.crc32c
-        else:
-            digest = crc32c(head)
-            for part in item.parts[1:]:
-                digest = crc32c(memoryview(part).cast("B"), digest)
+        else:  # another rank wrote it: its CRC32C from these bytes (or capture's)
+            digest = file_crc32c(item)
         files.append(p.HeldFile(item.name, head, offset, length, digest))
     if not files:
         return None
