@@ -87,6 +87,10 @@ READ_THREADS = 4
 READ_CHUNK_BYTES = 8 * 2**20
 """Bytes read per call when a file is verified by streaming it, or read in chunks."""
 
+CATALOG_PASSES = 3
+"""Listings a catalog scan makes at most while it finds only missing manifests (a step
+retention deleted had a newer one committed first: the next pass finds that one)."""
+
 FILE_READ_THREADS = 2
 """Threads that fault in, read and checksum the chunks of one large local file at once
 (``load``): faulting fresh memory in is most of the cost and it scales with cores; 4
@@ -101,17 +105,13 @@ benchmark VM: 0.7-0.9 s per 600 MiB); smaller ones come from torch's allocator."
 
 KEEP_SECONDS = 30.0
 """Seconds a freed load buffer is kept for the next load before it goes back to the OS:
-long enough to span an eval loop's or a retry's loads, short enough that a trainer
-that loaded once at start does not hold a checkpoint's worth of idle memory for long."""
+enough to span an eval loop's loads; a trainer that loaded once does not hold it long."""
 
 BOUNCE_BYTES = 16 * 2**20
 """Host staging that bytes bound for a device (a CUDA tensor restored into, or
 ``load(..., map_location="cuda")``) pass through: two reused blocks of half this
-each (pinned memory for CUDA), one read from storage while the other is copied to the
-device. The whole of a restore's or load's extra host memory for device tensors, far
-under the 64 MB bound of issue 21; blocks of 8 MiB, as READ_CHUNK_BYTES, keep the
-per-read and per-copy costs small. Not measured on a GPU here (no device on this
-machine): the figures are left to the GPU benchmark."""
+each (pinned for CUDA), one read from storage while the other is copied to the device:
+a restore's whole extra host memory for device tensors (64 MB bound of issue 21)."""
 
 BOUNCE_CPU_TARGETS = False
 """Whether CPU tensors also go through the bounce path that device tensors take (restore

@@ -106,3 +106,36 @@ def test_a_writers_retention_reads_each_manifest_once(
             writer.save(step, {"w": torch.full((2,), float(step))}).result(timeout=60)
     assert sorted(reads) == [f"{step:012d}" for step in range(1, 9)]
     assert [i.step for i in checkpointd.list_checkpoints(root)] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("newest_first", [True, False])
+def test_a_step_deleted_after_its_listing_by_a_newer_commit_does_not_hide_the_newer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newest_first: bool
+) -> None:
+    """keep_last=1 as it runs: the listing shows step 1 alone, then step 2 commits and
+    retention deletes step 1 before its manifest is read. There was a committed
+    checkpoint at every moment, so the reader must find step 2, not an empty root."""
+    url = str(tmp_path / "ckpt")
+    writer = checkpointd.CheckpointWriter(url, keep_last=1)
+    writer.save(1, {"m": {"w": torch.ones(4)}}).result(timeout=60)
+    original = catalog.read_manifest
+    raced: list[int] = []
+
+    def newer_commits_first(store: Any, step: int) -> Any:
+        if not raced:
+            raced.append(step)
+            writer.save(2, {"m": {"w": torch.full((4,), 2.0)}}).result(timeout=60)
+            writer.wait(timeout=60)  # step 1 is gone once its retention pass ran
+        return original(store, step)
+
+    monkeypatch.setattr(catalog, "read_manifest", newer_commits_first)
+    try:
+        store = open_store(url)
+        try:
+            found = [step for step, _ in catalog.scan(store, newest_first=newest_first)]
+        finally:
+            store.close()
+    finally:
+        writer.close()
+    assert raced == [1]
+    assert found == [2]

@@ -102,29 +102,42 @@ def scan(
     that exists but cannot be read (damaged, hostile, newer, a storage error) goes
     to ``on_damaged`` (default: a CheckpointWarning) and costs only its own step.
 
+    A pass that found nothing and met a step whose manifest is missing lists the root
+    again (that step may have been deleted after a newer one committed, see below).
+
     ``known``: manifests read by earlier scans of this root, reused instead of read
     again (a committed manifest never changes) and updated in place; steps no longer
     listed are dropped from it. A writer passes one, so its retention pass reads only
     the manifests committed since its last pass.
     """
-    steps = step_folders(store)
-    if known is not None:
-        for gone in known.keys() - set(steps):
-            del known[gone]
-    for step in reversed(steps) if newest_first else steps:
-        if known is not None and step in known:
-            yield step, known[step]
-            continue
-        try:
-            manifest = read_manifest(store, step)
-        except CheckpointNotFoundError:
-            continue
-        except CheckpointError as exc:
-            on_damaged(step, exc)
-            continue
+    for _ in range(tunables.CATALOG_PASSES):
+        steps = step_folders(store)
+        found, vanished = False, False
         if known is not None:
-            known[step] = manifest
-        yield step, manifest
+            for gone in known.keys() - set(steps):
+                del known[gone]
+        for step in reversed(steps) if newest_first else steps:
+            if known is not None and step in known:
+                found = True
+                yield step, known[step]
+                continue
+            try:
+                manifest = read_manifest(store, step)
+            except CheckpointNotFoundError:
+                vanished = True
+                continue
+            except CheckpointError as exc:
+                on_damaged(step, exc)
+                continue
+            if known is not None:
+                known[step] = manifest
+            found = True
+            yield step, manifest
+        # A listed step without a manifest is in progress, or was deleted since the
+        # listing (retention deletes one only after a newer one commits): with nothing
+        # found, list again, or a reader could miss a root that always had a checkpoint.
+        if found or not vanished:
+            return
 
 
 def newest(store: Store, *, on_damaged: OnDamaged = warn_damaged) -> tuple[int, Manifest]:
