@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -111,11 +114,34 @@ def test_writer_dropped_by_a_returning_function_commits_before_exit(tmp_path: Pa
 # --- Ctrl-C while save() waits for a staging buffer ------------------------------------
 
 
-def _interrupt_main_once_save_waits(monkeypatch: pytest.MonkeyPatch) -> threading.Thread:
-    """From a helper thread: SIGINT the main thread once the second save() waits for a
-    buffer (the writer has one, held by the first save)."""
-    main = threading.main_thread().ident
-    assert main is not None
+def _main_blocks_in_the_buffer_wait() -> bool:
+    """True when the main thread is asleep in save()'s wait for a buffer: its Python stack
+    is in call_interruptibly's wait (past start_task_soon) and the kernel has it sleeping,
+    twice, 5 ms apart. Only then is a signal sure to wake it (or to run once it has the
+    GIL): one sent as it starts to block is seen by CPython only when the wait ends."""
+    main = threading.main_thread()
+    stat = Path(f"/proc/self/task/{main.native_id}/stat")
+    for _ in range(2):
+        frame = sys._current_frames().get(main.ident)  # noqa: SLF001 - the only accessor
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        waiting = names[:1] == ["wait"] and "call_interruptibly" in names
+        if not waiting or "start_task_soon" in names:
+            return False
+        if stat.read_text().rsplit(")", 1)[1].split()[0] != "S":
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _interrupt_main_once_save_waits(
+    monkeypatch: pytest.MonkeyPatch, interrupt: Callable[[], None], gate: threading.Event
+) -> threading.Thread:
+    """From a helper thread: ``interrupt()`` the main thread once the second save() is
+    blocked waiting for a buffer (the writer has one, held by the first save). If the
+    test has not opened ``gate`` 20 s later, open it: the interrupt was not seen."""
     asked = threading.Event()
     real = InProcessBackend.acquire_buffer
     calls = 0
@@ -124,46 +150,72 @@ def _interrupt_main_once_save_waits(monkeypatch: pytest.MonkeyPatch) -> threadin
         nonlocal calls
         calls += 1
         if calls == 2:
-            # The interrupt reaches the loop once it waits below (the helper needs the GIL
-            # the loop holds until it blocks); either way the writer must stay usable.
             asked.set()
         return await real(service)
 
     monkeypatch.setattr(InProcessBackend, "acquire_buffer", acquire_buffer)
 
     def run() -> None:
-        asked.wait(60)
-        signal.pthread_kill(main, signal.SIGINT)
+        if not asked.wait(60):
+            return
+        # Not at once: main may still be on its way into the wait (see above).
+        deadline = time.monotonic() + 60
+        while not _main_blocks_in_the_buffer_wait() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        interrupt()
+        if not gate.wait(20):
+            gate.set()  # lets the first save end, and with it the second one's wait
 
     helper = threading.Thread(target=run)
     helper.start()
     return helper
 
 
+def _sigint() -> None:
+    """A Ctrl-C: SIGINT to the main thread (it wakes a blocking wait)."""
+    main = threading.main_thread().ident
+    assert main is not None
+    signal.pthread_kill(main, signal.SIGINT)
+
+
+def _late_sigint() -> None:
+    """A Ctrl-C whose SIGINT landed as the main thread began to block: the handler is due
+    but nothing wakes the wait (what _thread.interrupt_main does)."""
+    _thread.interrupt_main()
+
+
 @pytest.mark.skipif(
     threading.current_thread() is not threading.main_thread(), reason="needs the main thread"
 )
+@pytest.mark.parametrize("interrupt", [_sigint, _late_sigint], ids=["sigint", "late-sigint"])
 def test_ctrl_c_while_save_waits_for_a_buffer_leaves_the_writer_usable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: Callable[[], None]
 ) -> None:
     gate = hold_local_writes(monkeypatch)
     writer = CheckpointWriter(str(tmp_path), max_pending=1)
-    helper = _interrupt_main_once_save_waits(monkeypatch)
-    first = writer.save(1, _state(1.0))  # holds the only buffer until the gate opens
-    with pytest.raises(KeyboardInterrupt):
-        writer.save(2, _state(2.0))
-    helper.join()
-    gate.set()
-    assert first.result(timeout=60).step == 1
-    # The "save a last checkpoint on Ctrl-C" save: before the fix it waited forever for
-    # the buffer the interrupted call had taken anyway.
-    last: list[checkpointd.CheckpointInfo] = []
-    saver = threading.Thread(target=lambda: last.append(writer.save(2, _state(2.0)).result(60)))
-    saver.start()
-    saver.join(30)
-    assert last, "the next save() was blocked: the buffer leaked"
-    assert last[0].step == 2
-    writer.close()
+    helper = _interrupt_main_once_save_waits(monkeypatch, interrupt, gate)
+    try:
+        first = writer.save(1, _state(1.0))  # holds the only buffer until the gate opens
+        with pytest.raises(KeyboardInterrupt):
+            writer.save(2, _state(2.0))
+        # Seen while it waited: before the fix a late one came only once step 1 had
+        # freed the buffer (here: once the helper gave up and opened the gate).
+        assert not gate.is_set(), "the Ctrl-C was seen only once the held save ended"
+        gate.set()
+        helper.join()
+        assert first.result(timeout=60).step == 1
+        # The "save a last checkpoint on Ctrl-C" save: before the fix it waited forever
+        # for the buffer the interrupted call had taken anyway.
+        last: list[checkpointd.CheckpointInfo] = []
+        saver = threading.Thread(target=lambda: last.append(writer.save(2, _state(2.0)).result(60)))
+        saver.start()
+        saver.join(30)
+        assert last, "the next save() was blocked: the buffer leaked"
+        assert last[0].step == 2
+    finally:
+        gate.set()  # nothing left held: close() (and a failed test) cannot wait on it
+        helper.join()
+        writer.close()
     assert _steps(tmp_path) == [1, 2]
     assert checkpointd.load(str(tmp_path), 2).state["model"]["w"][0].item() == 2.0
 

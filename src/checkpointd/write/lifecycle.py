@@ -19,7 +19,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -38,6 +38,8 @@ _generation = 0
 _registry_lock = threading.Lock()
 _open: set[LoopThread] = set()
 _exit_hook_registered = False
+_INTERRUPT_POLL_SECONDS = 0.1
+"""How late ``call_interruptibly`` may see a Ctrl-C that did not wake its wait."""
 
 
 def generation() -> int:
@@ -118,7 +120,9 @@ class LoopThread:
 
     def call_interruptibly(self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None]) -> T:
         """``call(fn)``, but if the caller is interrupted (KeyboardInterrupt) while it
-        waits, what ``fn`` produced anyway is handed to ``undo`` on the loop, exactly once."""
+        waits, what ``fn`` produced anyway is handed to ``undo`` on the loop, exactly once.
+        A Ctrl-C is seen within ``_INTERRUPT_POLL_SECONDS`` even if its signal did not
+        wake the wait. Caller's thread (the main one, for Ctrl-C)."""
         lock = threading.Lock()
         abandoned = False
         produced: list[T] = []
@@ -136,6 +140,11 @@ class LoopThread:
         try:
             # Inside the try: the loop may start ``fn`` before start_task_soon returns.
             future = self.portal.start_task_soon(guarded)
+            # A wait with a timeout, again and again: a SIGINT that lands as this thread
+            # starts to block does not wake an untimed wait (CPython runs the handler only
+            # once the wait ends: here, once another save frees a buffer, maybe minutes).
+            while not wait([future], timeout=_INTERRUPT_POLL_SECONDS).done:
+                pass
             return future.result()
         except BaseException:
             with lock:
