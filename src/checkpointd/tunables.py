@@ -23,8 +23,10 @@ DEFAULT_MAX_PENDING = 1
 """Snapshots a writer holds at once by default (one staging buffer each)."""
 
 DEFAULT_MAX_CONCURRENCY = 4
-"""Files of one save written at once by default: enough to keep a disk or an S3
-connection pool busy without oversubscribing worker threads."""
+"""Files of one save written at once by default: a disk or an S3 pool kept busy."""
+
+INTERRUPT_POLL_SECONDS = 0.1
+"""How late ``save()`` may see a Ctrl-C whose signal did not wake its wait for a buffer."""
 
 DIRECT_MIN_BYTES = 1 << 20
 """Data regions (and aligned writes) of at least this many bytes go through O_DIRECT
@@ -104,8 +106,7 @@ long-lived process faults its whole size in again (~5 us per 4 KiB page on the
 benchmark VM: 0.7-0.9 s per 600 MiB); smaller ones come from torch's allocator."""
 
 KEEP_SECONDS = 30.0
-"""Seconds a freed load buffer is kept for the next load before it goes back to the OS:
-enough to span an eval loop's loads; a trainer that loaded once does not hold it long."""
+"""Seconds a freed load buffer is kept for the next load (an eval loop's), then freed."""
 
 BOUNCE_BYTES = 16 * 2**20
 """Host staging that bytes bound for a device (a CUDA tensor restored into, or
@@ -394,7 +395,6 @@ writer with ``replicas=``, a restore with ``service=`` in a many-rank job)."""
 
 # --- framework plugins -----------------------------------------------------------
 LIGHTNING_OPEN_WRITERS = 4
-"""Writers the Lightning plugin keeps open at once (one per root, the most recently
-used): one saving to many roots does not hold a thread and buffers for each."""
+"""Writers the Lightning plugin keeps open at once (one per root, the most recent)."""
 
 __all__ = [name for name in list(globals()) if name.isupper()]  # every constant above

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from checkpointd import tunables
 from checkpointd.errors import WrongThreadError
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ _generation = 0
 _registry_lock = threading.Lock()
 _open: set[LoopThread] = set()
 _exit_hook_registered = False
-_INTERRUPT_POLL_SECONDS = 0.1
-"""How late ``call_interruptibly`` may see a Ctrl-C that did not wake its wait."""
 
 
 def generation() -> int:
@@ -121,7 +120,7 @@ class LoopThread:
     def call_interruptibly(self, fn: Callable[[], Awaitable[T]], undo: Callable[[T], None]) -> T:
         """``call(fn)``, but if the caller is interrupted (KeyboardInterrupt) while it
         waits, what ``fn`` produced anyway is handed to ``undo`` on the loop, exactly once.
-        A Ctrl-C is seen within ``_INTERRUPT_POLL_SECONDS`` even if its signal did not
+        A Ctrl-C is seen within ``tunables.INTERRUPT_POLL_SECONDS`` even if its signal did not
         wake the wait. Caller's thread (the main one, for Ctrl-C)."""
         lock = threading.Lock()
         abandoned = False
@@ -143,7 +142,7 @@ class LoopThread:
             # A wait with a timeout, again and again: a SIGINT that lands as this thread
             # starts to block does not wake an untimed wait (CPython runs the handler only
             # once the wait ends: here, once another save frees a buffer, maybe minutes).
-            while not wait([future], timeout=_INTERRUPT_POLL_SECONDS).done:
+            while not wait([future], timeout=tunables.INTERRUPT_POLL_SECONDS).done:
                 pass
             return future.result()
         except BaseException:
