@@ -191,6 +191,10 @@ def _late_sigint() -> None:
 def test_ctrl_c_while_save_waits_for_a_buffer_leaves_the_writer_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: Callable[[], None]
 ) -> None:
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell starts a
+    # background job (`cmd &` without job control, as CI scripts may) with SIGINT
+    # ignored, and then no Ctrl-C reaches Python at all.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     gate = hold_local_writes(monkeypatch)
     writer = CheckpointWriter(str(tmp_path), max_pending=1)
     helper = _interrupt_main_once_save_waits(monkeypatch, interrupt, gate)
@@ -216,6 +220,7 @@ def test_ctrl_c_while_save_waits_for_a_buffer_leaves_the_writer_usable(
         gate.set()  # nothing left held: close() (and a failed test) cannot wait on it
         helper.join()
         writer.close()
+        signal.signal(signal.SIGINT, previous)
     assert _steps(tmp_path) == [1, 2]
     assert checkpointd.load(str(tmp_path), 2).state["model"]["w"][0].item() == 2.0
 
